@@ -1,0 +1,42 @@
+# Two commands: `make train` (set up, prepare tiny Shakespeare, train a small model on the CPU) and `make test`.
+# Offline machines: the corpus and GPT-2's BPE ranks are taken from $(SHARED) when present, else from
+# TINYSHAKESPEARE / GPT2_VOCAB, else downloaded.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+SHARED ?= ../shared/data
+
+ifneq ($(wildcard $(SHARED)/gpt2.tiktoken),)
+export GPT2_VOCAB ?= $(abspath $(SHARED)/gpt2.tiktoken)
+endif
+ifneq ($(wildcard $(SHARED)/tinyshakespeare.txt),)
+export TINYSHAKESPEARE ?= $(abspath $(SHARED)/tinyshakespeare.txt)
+endif
+
+DATA := data/tinyshakespeare/tiny_shakespeare_train.bin
+
+.PHONY: setup data train test bench clean
+setup: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+data: $(DATA)
+$(DATA): setup
+	$(PY) data/tinyshakespeare.py
+
+# a 4-layer, 256-channel GPT-2 (~16M parameters, most in wte) for about two minutes on 2 cores
+train: data
+	$(PY) train_gpt2.py -e d4c256h4 -b 8 -t 64 -l 1e-3 -u 20 -x 150 -v 50 -m 4 -s 150 -g 48 -o log_train
+
+test: setup
+	$(PY) -m pytest -q
+	$(PY) test_gpt2.py
+
+bench: setup
+	$(PY) bench/cpu_step.py
+
+clean:
+	rm -rf $(VENV) data/tinyshakespeare log_train

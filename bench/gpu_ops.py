@@ -1,0 +1,127 @@
+"""Time each op of the cupy backend at GPT-2 124M (d12) shapes: B=8, T=1024, C=768, NH=12, Vp=50304.
+
+Every op runs a few times to warm up (compiling its kernels), then `--reps` times, each between two CUDA
+events, behind a short spin kernel so that the host queues the reps ahead of the device and launch
+gaps stay out of the numbers. The table gives the median per op, the bytes it must move over that time
+and, for matmuls, TFLOP/s. The last lines add the ops up into one d12 training step at this B.
+
+Usage: python bench/gpu_ops.py [--precision bf16|fp32] [--reps 20] [--B 8]
+"""
+import argparse
+import os
+import statistics
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import cupy  # noqa: E402
+
+from llm.backends.cupy_backend import CupyBackend  # noqa: E402
+
+SPIN = r'''
+extern "C" __global__ void spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+'''
+
+
+def time_op(fn, reps, spin):
+    """Median milliseconds of fn() over reps runs, each timed with its own pair of events."""
+    for _ in range(3):
+        fn()
+    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(reps)]
+    spin((1,), (1,), (np.int64(40_000_000),))  # about 20 ms: the host gets ahead of the device
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    events[-1][1].synchronize()
+    return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in events)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--B", type=int, default=8)
+    args = parser.parse_args()
+
+    be = CupyBackend(args.precision)
+    B, T, C, NH, V, Vp, L = args.B, 1024, 768, 12, 50257, 50304, 12
+    num_params = Vp * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+    s = be.dtype.itemsize
+    N = B * T
+    rng = cupy.random.default_rng(0)
+
+    def act(*shape, dtype=None):
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype or be.dtype)
+
+    x, dx, out = act(B, T, C), act(B, T, C), act(B, T, C)
+    h, dh = act(B, T, 4 * C), act(B, T, 4 * C)
+    w_ln, b_ln = act(C), act(C)
+    mean, rstd = act(B, T, dtype=np.float32), act(B, T, dtype=np.float32)
+    inp = rng.integers(0, V, (B, T), dtype=np.int32)
+    targets = rng.integers(0, V, (B, T), dtype=np.int32)
+    wte, dwte, wpe, dwpe = act(Vp, C) * 0.02, act(Vp, C), act(T, C), act(T, C)
+    qkv, dqkv = act(B, T, 3 * C), act(B, T, 3 * C)
+    shape, dtype = be.attention_saved_shape(B, T, NH)
+    att = cupy.empty(shape, dtype)
+    logits = act(B, T, Vp)
+    losses = cupy.empty((B, T), np.float32)
+    params, grads = act(num_params) * 0.02, act(num_params) * 1e-3
+    m, v = cupy.zeros(num_params, np.float32), cupy.zeros(num_params, np.float32)
+    master = params.astype(np.float32) if be.master_weights else None
+
+    spin = cupy.RawKernel(SPIN, "spin")
+    rows = []   # (name, ms, bytes, flops, count per step)
+
+    def bench(name, fn, nbytes, flops=0, per_step=0):
+        rows.append((name, time_op(fn, args.reps, spin), nbytes, flops, per_step))
+
+    bench("encoder_forward", lambda: be.encoder_forward(out, inp, wte, wpe), 3 * N * C * s, per_step=1)
+    bench("encoder_backward", lambda: be.encoder_backward(dwte, dwpe, dx, inp), 3 * N * C * s, per_step=1)
+    bench("layernorm_forward", lambda: be.layernorm_forward(out, mean, rstd, x, w_ln, b_ln), 2 * N * C * s,
+          per_step=2 * L + 1)
+    bench("layernorm_backward", lambda: be.layernorm_backward(dx, w_ln, b_ln, out, x, w_ln, mean, rstd),
+          4 * N * C * s, per_step=2 * L + 1)
+    for label, cin, cout, count in (("qkv", C, 3 * C, L), ("attproj", C, C, L), ("fc", C, 4 * C, L),
+                                    ("fcproj", 4 * C, C, L), ("lm_head", C, Vp, 1)):
+        a, da = act(B, T, cin), act(B, T, cin)
+        y, dy = act(B, T, cout), act(B, T, cout)
+        w, dw = act(cout, cin) * 0.02, act(cout, cin)
+        bias, dbias = (act(cout), act(cout)) if label != "lm_head" else (None, None)
+        mm_bytes = (N * cin + cin * cout + N * cout) * s
+        bench(f"matmul_forward {label}", lambda: be.matmul_forward(y, a, w, bias), mm_bytes,
+              2 * N * cin * cout, per_step=count)
+        bench(f"matmul_backward {label}", lambda: be.matmul_backward(da, dw, dbias, dy, a, w), 2 * mm_bytes,
+              4 * N * cin * cout, per_step=count)
+    att_bytes = B * NH * T * T * s
+    bench("attention_forward", lambda: be.attention_forward(out, att, qkv, NH), 3 * att_bytes,
+          4 * B * NH * T * T * (C // NH), per_step=L)
+    bench("attention_backward", lambda: be.attention_backward(dqkv, dx, qkv, att, NH), 6 * att_bytes,
+          8 * B * NH * T * T * (C // NH), per_step=L)
+    bench("gelu_forward", lambda: be.gelu_forward(h, dh), 2 * N * 4 * C * s, per_step=L)
+    bench("gelu_backward", lambda: be.gelu_backward(dh, h, h), 3 * N * 4 * C * s, per_step=L)
+    bench("residual_forward", lambda: be.residual_forward(out, x, dx), 3 * N * C * s, per_step=2 * L)
+    bench("fused_classifier", lambda: be.fused_classifier(logits, losses, targets, V, 1.0 / N),
+          2 * N * Vp * s, per_step=1)
+    bench("adamw (all params)", lambda: be.adamw(params, grads, m, v, master, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1, 1.0),
+          num_params * (3 * s + 16 + (8 if master is not None else 0)), per_step=1)
+    bench("sumsq (all grads)", lambda: be.sumsq(grads), num_params * s, per_step=1)
+
+    print(f"cupy backend, {args.precision}, B={B} T={T} C={C} NH={NH} Vp={Vp}; median of {args.reps} reps")
+    print(f"{'op':<28}{'ms':>10}{'GB/s':>10}{'TFLOP/s':>10}")
+    for name, ms, nbytes, flops, _ in rows:
+        tflops = f"{flops / ms / 1e9:10.1f}" if flops else " " * 10
+        print(f"{name:<28}{ms:10.3f}{nbytes / ms / 1e6:10.0f}{tflops}")
+    step_ms = sum(ms * count for _, ms, _, _, count in rows)
+    step_flops = sum(flops * count for _, _, _, flops, count in rows)
+    print(f"sum over one d12 step (ops only, no launch gaps): {step_ms:.2f} ms, "
+          f"{N / step_ms * 1e3:,.0f} tok/s, matmuls {step_flops / step_ms / 1e9:.0f} TFLOP/s averaged over the step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Backends: the array module and the layer kernels the model is written against.
+
+The model (llm/model.py) never asks which backend it runs on. It holds a backend object and calls the
+ops below on that backend's arrays. Every array passed to an op is C-contiguous. Shapes use llm.c's
+letters: B batch, T time, C channels, NH heads, OC output channels, V vocab, Vp padded vocab.
+
+Attributes
+  name          "numpy" or "cupy"
+  xp            the array module (numpy or cupy)
+  dtype         dtype of parameters, gradients and activations (float32, or bfloat16 on the GPU)
+  precision     "fp32" or "bf16", for printing
+  master_weights  True when the optimizer keeps fp32 master weights (bf16 params); False when the
+                params are fp32 already
+  asarray(a, dtype=None)   host numpy array -> backend array (dtype defaults to a's)
+  to_numpy(x)   backend array -> numpy array (bf16 becomes float32)
+  synchronize() wait for queued device work (no-op on numpy)
+
+Forward ops write their outputs. Backward ops OVERWRITE the gradient of their activation input
+(dinp, dqkv) and ACCUMULATE (+=) into parameter gradients (dw, db, dwte, dwpe), as llm.c does, so that
+gradient accumulation over micro-steps is free. layernorm_backward also accumulates into dinp, because
+its dinp is the residual stream's gradient, which already holds the skip connection's share.
+
+  encoder_forward(out, inp, wte, wpe)            out(B,T,C) = wte[inp] + wpe[:T]; inp int32 (B,T)
+  encoder_backward(dwte, dwpe, dout, inp)        dwte[inp] += dout; dwpe[:T] += sum_b dout
+  layernorm_forward(out, mean, rstd, inp, w, b)  mean, rstd: float32 (B,T); eps 1e-5
+  layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd)   all three +=
+  matmul_forward(out, inp, w, bias)              out(B,T,OC) = inp(B,T,C) @ w(OC,C)^T + bias(OC) (bias may be None)
+  matmul_backward(dinp, dw, dbias, dout, inp, w) dinp = dout @ w;  dw += dout^T @ inp;  dbias += sum dout
+  attention_saved_shape(B, T, NH)                (shape, dtype) of what attention keeps for backward
+  attention_forward(out, att, qkv, NH)           qkv (B,T,3C) -> out (B,T,C); att: the saved buffer
+  attention_backward(dqkv, dout, qkv, att, NH)   dqkv (B,T,3C) overwritten
+  gelu_forward(out, inp) / gelu_backward(dinp, inp, dout)      tanh GELU; dinp overwritten
+  residual_forward(out, inp1, inp2)              out = inp1 + inp2
+  fused_classifier(logits, losses, targets, V, dloss)
+                    logits (B,T,Vp); losses float32 (B,T) = -log softmax(logits[..., :V])[target].
+                    With dloss not None, logits is overwritten by dlogits: (probs - onehot) * dloss
+                    over the first V columns and 0 over the padding.
+  adamw(param, grad, m, v, master, lr, beta1, beta2, eps, weight_decay, t, grad_scale)
+                    one contiguous 1-D segment, updated in place; master is None or float32
+  sumsq(x)          sum of squares of a 1-D array in float32, as a 0-d backend array (no host sync)
+"""
+
+
+def get_backend(name="numpy", precision="fp32", master_weights=True, allow_tf32=True):
+    """Build a backend by name. Only the cupy backend imports cupy, and only when asked for."""
+    if name == "numpy":
+        if precision != "fp32":
+            raise ValueError("the numpy backend computes in fp32 only")
+        from .numpy_backend import NumpyBackend
+        return NumpyBackend()
+    if name == "cupy":
+        from .cupy_backend import CupyBackend
+        return CupyBackend(precision=precision, master_weights=master_weights, allow_tf32=allow_tf32)
+    raise ValueError(f"unknown backend '{name}': choose numpy or cupy")

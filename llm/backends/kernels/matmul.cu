@@ -1,0 +1,47 @@
+// The parts of a Linear layer that cuBLAS does not do: the bias in the forward, the bias gradient in the
+// backward, and the ordered sum of per-block partial sums that several backward kernels share.
+#include "common.cuh"
+
+// out[r,:] = bias for each of the N rows. cuBLAS then adds inp @ w^T on top with beta = 1, so the bias is
+// added in float inside the matmul and the result is rounded once. One thread per pack: N*OC/PACK threads.
+extern "C" __global__ void bias_broadcast(floatX* out, const floatX* bias, long long N, int OC) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int packs = OC / PACK;
+    if (idx >= N * packs) return;
+    store_pack(out + idx * PACK, load_pack(bias + (idx % packs) * PACK));
+}
+
+// Column sums of dout (N, OC) in float, first stage. Blocks of (32, 8) threads: threadIdx.x and blockIdx.x
+// pick a pack of columns (32 packs per block), and the 8 * gridDim.y threads (threadIdx.y, blockIdx.y)
+// split the rows, thread y taking rows y, y + 8 * gridDim.y, ... The block adds its 8 rows of sums in
+// order and writes row blockIdx.y of partial (gridDim.y, OC).
+extern "C" __global__ void bias_backward_partial(float* partial, const floatX* dout, int N, int OC) {
+    __shared__ float sums[8][PACK][32];
+    const int c = (blockIdx.x * 32 + threadIdx.x) * PACK;
+    float acc[PACK] = {};
+    if (c < OC) {
+        for (int r = blockIdx.y * 8 + threadIdx.y; r < N; r += gridDim.y * 8) {
+            const Pack d = load_pack(dout + (long long)r * OC + c);
+            for (int i = 0; i < PACK; i++) acc[i] += (float)d.v[i];
+        }
+    }
+    for (int i = 0; i < PACK; i++) sums[threadIdx.y][i][threadIdx.x] = acc[i];
+    __syncthreads();
+    if (threadIdx.y == 0 && c < OC) {
+        for (int i = 0; i < PACK; i++) {
+            float total = 0.0f;
+            for (int y = 0; y < 8; y++) total += sums[y][i][threadIdx.x];
+            partial[(long long)blockIdx.y * OC + c + i] = total;
+        }
+    }
+}
+
+// out[j] += sum over k < rows of partial[k * stride + j], for j < n, adding the rows in order.
+// One thread per output element; consecutive threads read consecutive floats of each row.
+extern "C" __global__ void add_partial_sums(floatX* out, const float* partial, int rows, int stride, int n) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    float acc = 0.0f;
+    for (int k = 0; k < rows; k++) acc += partial[(long long)k * stride + j];
+    out[j] = floatX((float)out[j] + acc);
+}

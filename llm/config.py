@@ -1,0 +1,66 @@
+"""GPT-2 model configuration: llm.c's six fields and its model descriptors.
+
+Descriptors (what `-e` accepts when the argument does not end in .bin):
+  dL          GPT-2 with L layers, as llm.c: d6, d12, d24, d36, d48 (and d60, d72, d84)
+  dLcChNH     a tiny model for tests and quick runs, e.g. d2c64h4 = 2 layers, 64 channels, 4 heads
+A descriptor model has maxT = 1024, V = 50257 and Vp = 50304, as in llm.c.
+"""
+from dataclasses import dataclass
+import re
+
+GPT2_VOCAB = 50257      # V: the real vocabulary
+GPT2_PADDED = 50304     # Vp: V rounded up to a multiple of 128, so the lm_head matmul tiles well
+GPT2_MAX_SEQ = 1024
+
+# depth -> (channels, heads), from llm.c's gpt2_set_hyperparameters
+DEPTHS = {6: (384, 6), 12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25),
+          60: (1920, 30), 72: (2880, 30), 84: (3456, 36)}
+
+
+class ConfigError(ValueError):
+    """A model description that cannot be built (bad descriptor, sizes that do not divide)."""
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    max_seq_len: int = GPT2_MAX_SEQ        # maxT, rows of wpe
+    vocab_size: int = GPT2_VOCAB           # V
+    padded_vocab_size: int = GPT2_PADDED   # Vp, rows of wte
+    num_layers: int = 12                   # L
+    num_heads: int = 12                    # NH
+    channels: int = 768                    # C
+
+    def __post_init__(self):
+        if min(self.max_seq_len, self.vocab_size, self.num_layers, self.num_heads, self.channels) <= 0:
+            raise ConfigError(f"every model size must be positive: {self}")
+        if self.channels % self.num_heads:
+            raise ConfigError(f"channels {self.channels} is not divisible by num_heads {self.num_heads}")
+        if self.padded_vocab_size < self.vocab_size:
+            raise ConfigError(f"padded_vocab_size {self.padded_vocab_size} < vocab_size {self.vocab_size}")
+
+    @property
+    def head_size(self):
+        return self.channels // self.num_heads
+
+    @property
+    def num_parameters(self):
+        """Vp*C + maxT*C + L*(12C^2 + 13C) + 2C: 124,475,904 for d12."""
+        C, L = self.channels, self.num_layers
+        return self.padded_vocab_size * C + self.max_seq_len * C + L * (12 * C * C + 13 * C) + 2 * C
+
+    @classmethod
+    def from_descriptor(cls, desc):
+        """Build a config from 'd12' or 'd2c64h4'; raise ConfigError with a clear message otherwise."""
+        m = re.fullmatch(r"(?:gpt2:)?d(\d+)(?:c(\d+)h(\d+))?", desc)
+        if not m:
+            raise ConfigError(f"unsupported model descriptor '{desc}': use dL (d6, d12, d24, d36, d48) "
+                              f"or dLcChNH (e.g. d2c64h4), or a .bin checkpoint")
+        L = int(m.group(1))
+        if m.group(2) is None:
+            if L not in DEPTHS:
+                raise ConfigError(f"unsupported GPT-2 depth {L} in '{desc}': choose one of "
+                                  + ", ".join(f"d{d}" for d in DEPTHS))
+            C, NH = DEPTHS[L]
+        else:
+            C, NH = int(m.group(2)), int(m.group(3))
+        return cls(num_layers=L, num_heads=NH, channels=C)

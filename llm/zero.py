@@ -1,0 +1,111 @@
+"""Data parallelism and ZeRO stage 1: who owns which slice of the optimizer, and the step's collectives.
+
+-z 0  every rank keeps full m, v (and master weights); gradients are all-reduced (averaged) and every
+      rank applies the same update to the whole buffer.
+-z 1  the flat buffers are padded to a multiple of N and rank r owns the contiguous shard
+      [r*S, (r+1)*S), S = ceil(P / N). It keeps m, v and the fp32 master weights for its shard only.
+      Gradients are reduce-scattered (averaged) into the shard, the global norm is the square root of
+      the all-reduced sum of the shards' squared norms, AdamW updates the shard (weight decay applied
+      element by element where the shard straddles tensor boundaries), and an all-gather brings every
+      rank the full updated parameters.
+
+The shard is cut from the flat buffer, as the original ZeRO-1 proposal for llm.c did (PR #309), not per
+tensor and per layer as llm.c does today. One contiguous range means one reduce-scatter, one AdamW pass
+and one all-gather per step, and any N works: padding replaces llm.c's demand that N divide every
+tensor's per-layer size.
+"""
+import math
+
+import numpy as np
+
+from . import optim
+from .layout import decay_segments
+
+
+def padded_size(num_parameters, world_size, zero_stage):
+    """Length of the flat buffers: num_parameters, rounded up to a multiple of N under ZeRO-1."""
+    if zero_stage == 1:
+        return math.ceil(num_parameters / world_size) * world_size
+    return num_parameters
+
+
+class ZeroOptimizer:
+    """AdamW over this rank's shard of the flat buffers, and the collectives around it."""
+
+    def __init__(self, model, comm, zero_stage, weight_decay):
+        if zero_stage not in (0, 1):
+            raise ValueError(f"ZeRO stage {zero_stage} is not supported: use -z 0 or -z 1")
+        be, N = model.backend, comm.world_size
+        self.model, self.comm, self.stage, self.weight_decay = model, comm, zero_stage, weight_decay
+        self.shard_size = model.flat_size // N if zero_stage == 1 else model.flat_size
+        self.lo = comm.rank * self.shard_size if zero_stage == 1 else 0
+        self.hi = self.lo + self.shard_size
+        self.m = be.xp.zeros(self.shard_size, np.float32)
+        self.v = be.xp.zeros(self.shard_size, np.float32)
+        # the fp32 master copy of this shard's parameters, when the parameters themselves are bf16
+        self.master = be.xp.zeros(self.shard_size, np.float32) if be.master_weights else None
+        self.master_ready = False
+        self.segments = [(lo - self.lo, hi - self.lo, decay)
+                         for lo, hi, decay in decay_segments(model.config, self.lo, self.hi)]
+
+    @property
+    def grad_shard(self):
+        return self.model.grads_flat[self.lo:self.hi]
+
+    @property
+    def param_shard(self):
+        return self.model.params_flat[self.lo:self.hi]
+
+    def reduce_gradients(self):
+        """Average the gradients across ranks: the whole buffer (-z 0) or just this rank's shard (-z 1)."""
+        if self.stage == 1:
+            self.comm.reduce_scatter_avg(self.model.grads_flat, self.grad_shard)
+        else:
+            self.comm.all_reduce_avg(self.model.grads_flat)
+
+    def grad_norm(self):
+        """Global L2 norm of the averaged gradients (one host sync)."""
+        sumsq = float(self.model.backend.sumsq(self.grad_shard))
+        return math.sqrt(self.comm.scalar_sum(sumsq) if self.stage == 1 else sumsq)
+
+    def step(self, lr, t, grad_scale):
+        """AdamW on this rank's shard (t is 1-based), then share the updated parameters."""
+        be = self.model.backend
+        params, grads = self.param_shard, self.grad_shard
+        if self.master is not None and not self.master_ready:
+            self.master[...] = params.astype(np.float32)
+            self.master_ready = True
+        for lo, hi, decay in self.segments:
+            be.adamw(params[lo:hi], grads[lo:hi], self.m[lo:hi], self.v[lo:hi],
+                     None if self.master is None else self.master[lo:hi],
+                     lr, optim.BETA1, optim.BETA2, optim.EPS, self.weight_decay if decay else 0.0, t, grad_scale)
+        if self.stage == 1:
+            self.comm.all_gather(self.param_shard, self.model.params_flat)
+
+    # ---- checkpoints hold the full buffers, so a run can resume with any number of ranks ----
+    def full_state(self):
+        """(m, v, master or None) as host float32 arrays of num_parameters, gathered from every rank."""
+        P = self.model.config.num_parameters
+        out = []
+        for buf in (self.m, self.v, self.master):
+            if buf is None:
+                out.append(None)
+                continue
+            if self.stage == 1:
+                full = self.model.backend.xp.zeros(self.model.flat_size, np.float32)
+                self.comm.all_gather(buf, full)
+                buf = full
+            out.append(self.model.backend.to_numpy(buf[:P]).astype(np.float32))
+        return tuple(out)
+
+    def load_full_state(self, m, v, master):
+        """Take this rank's shard of full host m, v (and master) arrays."""
+        be, P = self.model.backend, self.model.config.num_parameters
+        for dst, src in ((self.m, m), (self.v, v), (self.master, master)):
+            if dst is None:
+                continue
+            full = np.zeros(self.model.flat_size, np.float32)
+            full[:P] = src if src is not None else self.model.params_numpy()
+            dst[...] = be.asarray(full[self.lo:self.hi])
+        if self.master is not None:
+            self.master_ready = True

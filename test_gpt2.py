@@ -1,0 +1,153 @@
+"""Check the trainer's GPT-2 (llm/) against ground truth, in the manner of llm.c's test_gpt2.c.
+
+  python test_gpt2.py                               a small random model vs reference/ in float64
+  python test_gpt2.py --backend cupy --precision bf16
+  python test_gpt2.py -e gpt2_124M.bin -ds gpt2_124M_debug_state.bin   vs llm.c's own files (PyTorch's numbers)
+
+It compares the logits, the loss and all 16 parameter gradients of one batch, then trains 10 AdamW steps
+on that batch and compares the losses. One OK / NOT OK line per check, then `overall okay: 1` (or 0);
+the exit code is non-zero on failure.
+"""
+import argparse
+import sys
+
+import numpy as np
+
+from llm import formats
+from llm.backends import get_backend
+from llm.comm import SingleComm
+from llm.config import GPT2Config
+from llm.layout import PARAM_NAMES, ParamViews
+from llm.model import GPT2, init_params
+from llm.zero import ZeroOptimizer
+from reference import gpt2 as ref
+
+# llm.c's test_gpt2.cu losses for GPT-2 124M on its debug-state batch: AdamW lr 1e-4, betas (0.9, 0.95),
+# weight decay 0, clipping at 1.0
+LLMC_LOSSES = [5.270009, 4.060681, 3.320085, 2.717550, 2.181066, 1.653923, 1.168050, 0.736873, 0.401021, 0.187493]
+LR, STEPS = 1e-4, 10
+
+# tolerances by precision: (logits, loss, per-step losses, grads: absolute + relative * |ref|)
+# fp32: far tighter than llm.c's test_gpt2.c (1e-2, 1e-2, 1e-2, 2e-2); bf16: llm.c's test_gpt2.cu
+TOLERANCES = {
+    "fp32": dict(logits=1e-4, loss=1e-5, losses=1e-4, grad_abs=1e-5, grad_rel=1e-3),
+    "bf16": dict(logits=25.0, loss=0.05, losses=0.05, grad_abs=None, grad_rel=0.079),
+}
+# llm.c's per-tensor bf16 gradient thresholds (test_gpt2.cu)
+BF16_GRAD_ABS = dict(wte=5e-1, wpe=4e-3, ln1w=1e-1, ln1b=4e-2, qkvw=5e-2, qkvb=3.5e-2, attprojw=2e-2,
+                     attprojb=3e-2, ln2w=5e-2, ln2b=3e-2, fcw=3e-2, fcb=3e-2, fcprojw=2e-2, fcprojb=1e-2,
+                     lnfw=1e-1, lnfb=2e-2)
+
+
+def reference_run(config, params, x, y, steps):
+    """The float64 reference: logits, loss and grads at step 0, then the losses of `steps` AdamW steps."""
+    p = {name: view.astype(np.float64) for name, view in ParamViews(params.astype(np.float64), config)}
+    m = {k: np.zeros_like(a) for k, a in p.items()}
+    v = {k: np.zeros_like(a) for k, a in p.items()}
+    losses = []
+    for step in range(steps):
+        logits, loss, cache = ref.gpt2_forward(p, config, x, y)
+        grads = ref.gpt2_backward(p, config, cache)
+        if step == 0:
+            first = (logits, loss, grads)
+        losses.append(loss)
+        norm = np.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
+        scale = 1.0 / norm if norm > 1.0 else 1.0
+        p, m, v = ref.adamw_step(p, grads, m, v, step + 1, LR, weight_decay=0.0, grad_scale=scale)
+    return first, losses
+
+
+def trainer_run(config, params, x, y, steps, backend):
+    """The same on llm/: the trainer's model, optimizer and ZeRO path with a single process."""
+    model = GPT2(config, backend)
+    model.load_params(params)
+    optimizer = ZeroOptimizer(model, SingleComm(), zero_stage=0, weight_decay=0.0)
+    B, T = x.shape
+    losses = []
+    for step in range(steps):
+        model.zero_grad()
+        if step == 0:   # read the logits before the training forward turns them into dlogits
+            logits = backend.to_numpy(model.forward(x)).astype(np.float32)
+        loss = float(model.forward(x, y, dloss=1.0 / (B * T)).mean())
+        model.backward()
+        if step == 0:
+            first = (logits, loss, ParamViews(model.grads_numpy(), config))
+        losses.append(loss)
+        norm = optimizer.grad_norm()
+        optimizer.step(LR, step + 1, 1.0 / norm if norm > 1.0 else 1.0)
+        print(f"step {step + 1}: loss {loss:f}")
+    return first, losses
+
+
+def check(label, ok, detail):
+    print(f"{'OK' if ok else 'NOT OK'} ({label}) {detail}")
+    return ok
+
+
+def compare(config, got, want, got_losses, want_losses, precision):
+    tol = TOLERANCES[precision]
+    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = got, want
+    V = config.vocab_size
+    okay = True
+    diff = np.max(np.abs(logits[..., :V] - ref_logits[..., :V]))
+    okay &= check("LOGITS", diff < tol["logits"], f"max_diff = {diff:e}")
+    diff = abs(loss - ref_loss)
+    okay &= check("LOSS", diff < tol["loss"], f"{loss:f} {ref_loss:f}")
+    for name in PARAM_NAMES:
+        g, r = getattr(grads, name), ref_grads[name]
+        if name == "wte":
+            g, r = g[:V], r[:V]   # the padded rows' gradient is 0 on both sides; llm.c compares V rows
+        abs_tol = BF16_GRAD_ABS[name] if precision == "bf16" else tol["grad_abs"]
+        err = np.abs(g - r) - (abs_tol + tol["grad_rel"] * np.abs(r))
+        diff = float(np.max(np.abs(g - r)))
+        okay &= check(f"d{name}", bool(np.all(err <= 0)), f"max_diff = {diff:e}")
+    for step, (a, b) in enumerate(zip(got_losses, want_losses)):
+        okay &= check(f"step {step + 1} loss", abs(a - b) < tol["losses"], f"{a:f} {b:f}")
+    return okay
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Check llm/'s GPT-2 against reference/ or llm.c's debug state.")
+    parser.add_argument("-e", help="llm.c model checkpoint (.bin) to test with; needs -ds")
+    parser.add_argument("-ds", help="llm.c debug state file (x, y, logits, loss, grads from PyTorch)")
+    parser.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16"],
+                        help="default: fp32 (numpy), bf16 (cupy)")
+    parser.add_argument("--model", default="d2c64h4", help="descriptor of the random model (default d2c64h4)")
+    args = parser.parse_args()
+    precision = args.precision or ("bf16" if args.backend == "cupy" else "fp32")
+    if bool(args.e) != bool(args.ds):
+        parser.error("-e and -ds go together")
+    try:
+        backend = get_backend(args.backend, precision)
+        if args.e:
+            config, params, _ = formats.read_model(args.e)
+            state = formats.read_debug_state(args.ds, config)
+            x, y = state["x"], state["y"]
+            print(f"[testing against {args.ds}: B={x.shape[0]} T={x.shape[1]}]")
+        else:
+            config = GPT2Config.from_descriptor(args.model)
+            params = init_params(config)
+            rng = np.random.default_rng(1234)
+            x = rng.integers(0, config.vocab_size, (4, 32), dtype=np.int32)
+            y = rng.integers(0, config.vocab_size, (4, 32), dtype=np.int32)
+            print(f"[testing {args.model} ({config.num_parameters} parameters), B=4 T=32, "
+                  f"{args.backend} {precision} vs reference/ in float64]")
+    except (formats.FormatError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+    got, got_losses = trainer_run(config, params, x, y, STEPS, backend)
+    if args.e:
+        want = (state["logits"], float(state["loss"]), dict(ParamViews(state["grads"], config)))
+        is_gpt2_124m = config.num_parameters == 124475904 and x.shape == (4, 64)
+        want_losses = LLMC_LOSSES if is_gpt2_124m else reference_run(config, params, x, y, STEPS)[1]
+    else:
+        want, want_losses = reference_run(config, params, x, y, STEPS)
+    okay = compare(config, got, want, got_losses, want_losses, precision)
+    print(f"overall okay: {int(okay)}")
+    return 0 if okay else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

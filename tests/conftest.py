@@ -1,0 +1,53 @@
+"""Shared helpers: run train_gpt2.py in a scratch directory on tiny synthetic token shards."""
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llm import formats
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "train_gpt2.py")
+TINY = ["-e", "d2c64h4", "-b", "4", "-t", "32", "-l", "1e-3", "-s", "0", "-v", "1000", "-m", "2"]
+STEP_LINE = re.compile(r"^step +(\d+)/(\d+) \| loss (\d+\.\d{6}) \(([+-](?:nan|\d+\.\d\d))z\)\| norm (\d+\.\d{4}) "
+                       r"\(([+-](?:nan|\d+\.\d\d))z\)\| lr (\d\.\d\de[+-]\d\d) \| (\d+\.\d\d) ms \| (-?\d+\.\d)% "
+                       r"(fp32|bf16) MFU \| (\d+) tok/s$")
+
+
+def env():
+    """The environment for a child process: the repo importable, no inherited MPI launch variables."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCALNRANKS"))}
+    e["PYTHONPATH"] = REPO + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def run_train(args, cwd, timeout=300, check=True, launcher=()):
+    """Run train_gpt2.py with `args` in `cwd`; return the CompletedProcess (stdout, stderr as text)."""
+    proc = subprocess.run([*launcher, sys.executable, TRAIN, *args], cwd=cwd, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train_gpt2.py {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def step_losses(stdout):
+    """The printed per-step losses, as the exact strings (6 decimals)."""
+    return [m.group(3) for line in stdout.splitlines() if (m := STEP_LINE.match(line))]
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """A working directory with small train and val shards of random GPT-2 token ids."""
+    rng = np.random.default_rng(0)
+    os.makedirs(tmp_path / "data")
+    formats.write_shard(tmp_path / "data" / "train.bin", rng.integers(0, 50257, 8 * 1024 + 1))
+    formats.write_shard(tmp_path / "data" / "val.bin", rng.integers(0, 50257, 2 * 1024 + 1))
+    return tmp_path
+
+
+def data_args():
+    return ["-i", "data/train.bin", "-j", "data/val.bin"]

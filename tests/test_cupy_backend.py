@@ -1,0 +1,237 @@
+"""The cupy backend computes what the numpy backend computes, op by op.
+
+Each test builds random host inputs, runs the op on both backends and compares the outputs by relative
+L2 error, ||gpu - ref|| / ||ref||: within 1e-5 in fp32 (TF32 off) and 1e-2 in bf16. Inputs are rounded
+to the GPU's storage type first, so both backends see the same numbers. Outputs an op overwrites start
+as NaN on the GPU (every element must be written); gradients an op accumulates into start random on
+both sides (so += is checked, not =). Small shapes, plus GPT-2 124M's C=768, NH=12, T=1024 at B=2.
+
+Skipped without cupy or without a usable CUDA device. Also runnable as a script: python tests/test_cupy_backend.py
+"""
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+
+def gpu_usable():
+    try:
+        return cupy.cuda.is_available()
+    except Exception:  # a broken driver or runtime install counts as no GPU
+        return False
+
+
+if not gpu_usable():
+    pytest.skip("needs a usable CUDA device", allow_module_level=True)
+
+from llm.backends.cupy_backend import CupyBackend  # noqa: E402
+from llm.backends.numpy_backend import NumpyBackend  # noqa: E402
+
+TOL = {"fp32": 1e-5, "bf16": 1e-2}
+SHAPES = {"small": dict(B=2, T=32, C=64, NH=4), "gpt2": dict(B=2, T=1024, C=768, NH=12)}
+REF = NumpyBackend()
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def gpu(request):
+    return CupyBackend(request.param, allow_tf32=False)
+
+
+@pytest.fixture(params=list(SHAPES))
+def shape(request):
+    return SHAPES[request.param]
+
+
+def rel_err(got, ref):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(got).all(), "the GPU left NaN or inf in an output"
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def rounded(gpu, a):
+    """a as the GPU stores it, back in float32."""
+    return a.astype(gpu.dtype).astype(np.float32)
+
+
+def compare(gpu, op, args, check, poison=(), fp32=()):
+    """Run `op` on both backends from the same host args; return {index: rel error} for the args in `check`.
+
+    Float arrays go to the GPU in gpu.dtype (float32 for the indices in fp32), ints as int32. The args in
+    `poison` start as NaN on the GPU: the op must overwrite them."""
+    args = [rounded(gpu, a) if isinstance(a, np.ndarray) and a.dtype == np.float32 and i not in fp32 else a
+            for i, a in enumerate(args)]
+    ref_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    getattr(REF, op)(*ref_args)
+    gpu_args = []
+    for i, a in enumerate(args):
+        if isinstance(a, np.ndarray):
+            dtype = np.int32 if a.dtype.kind == "i" else (np.float32 if i in fp32 else gpu.dtype)
+            a = gpu.asarray(a, dtype)
+            if i in poison:
+                poison_nan(a)
+        gpu_args.append(a)
+    getattr(gpu, op)(*gpu_args)
+    errors = {i: rel_err(gpu.to_numpy(gpu_args[i]), ref_args[i]) for i in check}
+    print(f"{op:<20} {gpu.precision} {args[check[0]].shape}: " + ", ".join(f"{e:.2e}" for e in errors.values()))
+    return errors
+
+
+def poison_nan(x):
+    if x.dtype == np.float32:
+        x.fill(np.nan)
+    else:
+        x.view(cupy.uint16).fill(0x7FC0)  # a bf16 NaN
+
+
+def assert_close(gpu, errors, factor=1.0):
+    for i, e in errors.items():
+        assert e < factor * TOL[gpu.precision], f"argument {i}: relative error {e:.3e}"
+
+
+def randn(rng, *shape, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+
+def test_backend_attributes():
+    bf16, fp32 = CupyBackend("bf16"), CupyBackend("fp32")
+    assert (bf16.name, bf16.precision, bf16.dtype, bf16.master_weights) == ("cupy", "bf16", ml_dtypes.bfloat16, True)
+    assert (fp32.dtype, fp32.master_weights) == (np.float32, False)
+    assert not CupyBackend("bf16", master_weights=False).master_weights
+    x = np.array([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8], np.float32)  # halfway cases round to even
+    assert bf16.to_numpy(bf16.asarray(x, bf16.dtype)).tolist() == [1.0, 1.0, 1 + 2 ** -6]
+
+
+def test_encoder_forward_and_backward_accumulate_into_dwte_and_dwpe(gpu, shape):
+    rng = np.random.default_rng(1)
+    B, T, C = shape["B"], shape["T"], shape["C"]
+    Vp, maxT = 64, T + 8
+    inp = rng.integers(0, 10, (B, T)).astype(np.int32)  # few distinct tokens: many repeats in dwte
+    wte, wpe = randn(rng, Vp, C), randn(rng, maxT, C)
+    assert_close(gpu, compare(gpu, "encoder_forward", [randn(rng, B, T, C), inp, wte, wpe], [0], poison=[0]))
+    dwte, dwpe, dout = randn(rng, Vp, C), randn(rng, maxT, C), randn(rng, B, T, C)
+    assert_close(gpu, compare(gpu, "encoder_backward", [dwte, dwpe, dout, inp], [0, 1]))
+
+
+def test_layernorm_forward_and_backward_accumulate(gpu, shape):
+    rng = np.random.default_rng(2)
+    B, T, C = shape["B"], shape["T"], shape["C"]
+    x, w, b = randn(rng, B, T, C, scale=2.0) + 0.5, randn(rng, C), randn(rng, C)
+    out, mean, rstd = np.zeros((B, T, C), np.float32), np.zeros((B, T), np.float32), np.zeros((B, T), np.float32)
+    assert_close(gpu, compare(gpu, "layernorm_forward", [out, mean, rstd, x, w, b], [0, 1, 2], poison=[0, 1, 2],
+                              fp32=[1, 2]))
+    REF.layernorm_forward(out, mean, rstd, rounded(gpu, x), rounded(gpu, w), rounded(gpu, b))
+    dinp, dw, db, dout = randn(rng, B, T, C), randn(rng, C), randn(rng, C), randn(rng, B, T, C)
+    assert_close(gpu, compare(gpu, "layernorm_backward", [dinp, dw, db, dout, x, w, mean, rstd], [0, 1, 2],
+                              fp32=[6, 7]))
+
+
+@pytest.mark.parametrize("layer", ["qkv", "fcproj", "lm_head"])
+def test_matmul_forward_and_backward(gpu, shape, layer):
+    rng = np.random.default_rng(3)
+    B, T, C = shape["B"], shape["T"], shape["C"]
+    cin, cout = {"qkv": (C, 3 * C), "fcproj": (4 * C, C), "lm_head": (C, 128)}[layer]
+    has_bias = layer != "lm_head"
+    inp, w = randn(rng, B, T, cin), randn(rng, cout, cin, scale=cin ** -0.5)
+    bias = randn(rng, cout) if has_bias else None
+    assert_close(gpu, compare(gpu, "matmul_forward", [np.zeros((B, T, cout), np.float32), inp, w, bias], [0],
+                              poison=[0]))
+    dinp, dw, dout = np.zeros((B, T, cin), np.float32), randn(rng, cout, cin), randn(rng, B, T, cout)
+    dbias = randn(rng, cout) if has_bias else None
+    check = [0, 1, 2] if has_bias else [0, 1]
+    assert_close(gpu, compare(gpu, "matmul_backward", [dinp, dw, dbias, dout, inp, w], check, poison=[0]))
+
+
+def run_attention(backend, qkv, dout, NH, dtype, poison=False):
+    """Forward then backward on one backend; returns (out, dqkv) on the host as float32."""
+    B, T, C3 = qkv.shape
+    shape, att_dtype = backend.attention_saved_shape(B, T, NH)
+    out = backend.asarray(np.zeros((B, T, C3 // 3), np.float32), dtype)
+    dqkv = backend.asarray(np.zeros((B, T, C3), np.float32), dtype)
+    att = backend.xp.zeros(shape, att_dtype)
+    if poison:
+        for x in (out, dqkv, att):
+            poison_nan(x)
+    qkv, dout = backend.asarray(qkv, dtype), backend.asarray(dout, dtype)
+    backend.attention_forward(out, att, qkv, NH)
+    backend.attention_backward(dqkv, dout, qkv, att, NH)
+    return backend.to_numpy(out), backend.to_numpy(dqkv)
+
+
+def test_attention_forward_and_backward(gpu, shape):
+    rng = np.random.default_rng(4)
+    B, T, C, NH = shape["B"], shape["T"], shape["C"], shape["NH"]
+    qkv, dout = rounded(gpu, randn(rng, B, T, 3 * C)), rounded(gpu, randn(rng, B, T, C))
+    ref = run_attention(REF, qkv, dout, NH, np.float32)
+    got = run_attention(gpu, qkv, dout, NH, gpu.dtype, poison=True)
+    errors = {name: rel_err(g, r) for name, g, r in zip(("out", "dqkv"), got, ref)}
+    print(f"attention            {gpu.precision} {qkv.shape}: " + ", ".join(f"{e:.2e}" for e in errors.values()))
+    assert_close(gpu, errors)
+
+
+def test_gelu_and_residual(gpu, shape):
+    rng = np.random.default_rng(5)
+    B, T, C = shape["B"], shape["T"], shape["C"]
+    h = randn(rng, B, T, 4 * C, scale=2.0)
+    assert_close(gpu, compare(gpu, "gelu_forward", [np.zeros_like(h), h], [0], poison=[0]))
+    assert_close(gpu, compare(gpu, "gelu_backward", [np.zeros_like(h), h, randn(rng, B, T, 4 * C)], [0],
+                              poison=[0]))
+    x1, x2 = randn(rng, B, T, C), randn(rng, B, T, C)
+    assert_close(gpu, compare(gpu, "residual_forward", [np.zeros_like(x1), x1, x2], [0], poison=[0]))
+
+
+@pytest.mark.parametrize("vocab", [(100, 128), (50257, 50304)])
+@pytest.mark.parametrize("with_grad", [True, False])
+def test_fused_classifier_losses_and_dlogits(gpu, vocab, with_grad):
+    rng = np.random.default_rng(6)
+    (V, Vp), (B, T) = vocab, (2, 64)
+    logits = randn(rng, B, T, Vp, scale=3.0)
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
+    losses = np.zeros((B, T), np.float32)
+    dloss = 1.0 / (B * T) if with_grad else None
+    errors = compare(gpu, "fused_classifier", [logits, losses, targets, V, dloss], [0, 1], poison=[1], fp32=[1])
+    assert_close(gpu, errors)
+
+
+def test_fused_classifier_zeroes_the_padded_dlogits(gpu):
+    rng = np.random.default_rng(7)
+    V, Vp = 100, 128
+    logits = gpu.asarray(randn(rng, 1, 8, Vp), gpu.dtype)
+    gpu.fused_classifier(logits, gpu.xp.zeros((1, 8), np.float32), gpu.asarray(np.arange(8, dtype=np.int32)),
+                         V, 0.125)
+    dlogits = gpu.to_numpy(logits)
+    assert (dlogits[..., V:] == 0).all()
+    assert np.abs(dlogits[..., :V].sum(-1)).max() < 1e-3  # softmax - onehot sums to 0 in each row
+
+
+@pytest.mark.parametrize("use_master", [True, False])
+def test_adamw_updates_param_m_v_and_master(gpu, use_master):
+    if use_master and gpu.precision == "fp32":
+        pytest.skip("fp32 params need no master copy")
+    rng = np.random.default_rng(8)
+    n = 10_001  # odd: a segment need not be a multiple of anything
+    param, grad = randn(rng, n), randn(rng, n, scale=0.1)
+    m, v = randn(rng, n, scale=0.01), np.abs(randn(rng, n, scale=1e-4))
+    master = rounded(gpu, param) if use_master else None
+    args = [param, grad, m, v, master, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3, 0.5]
+    check = [0, 2, 3, 4] if use_master else [0, 2, 3]
+    errors = compare(gpu, "adamw", args, check, fp32=[2, 3, 4])
+    assert errors.pop(0) < TOL[gpu.precision]
+    assert max(errors.values()) < 1e-5  # m, v and master are fp32 in both precisions
+
+
+def test_sumsq_is_float32_deterministic_and_takes_unaligned_segments(gpu):
+    rng = np.random.default_rng(9)
+    x = rounded(gpu, randn(rng, 1_000_003))
+    xg = gpu.asarray(x, gpu.dtype)
+    segment = xg[3:]  # starts 3 elements in: no 16-byte alignment
+    total = gpu.sumsq(segment)
+    assert total.shape == () and total.dtype == np.float32
+    expected = float(np.sum(x[3:].astype(np.float64) ** 2))
+    assert abs(float(total) - expected) / expected < 1e-5
+    assert float(gpu.sumsq(segment)) == float(total)
+    print(f"sumsq                {gpu.precision}: {abs(float(total) - expected) / expected:.2e}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-s"]))

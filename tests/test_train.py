@@ -1,0 +1,114 @@
+"""train_gpt2.py end to end on the CPU: printed lines, the log, checkpoints, resume, bad input."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from llm import checkpoint, formats
+from conftest import STEP_LINE, TINY, TRAIN, data_args, env, run_train, step_losses
+
+
+def test_step_lines_and_log_follow_llmc_formats(shards):
+    out = run_train(TINY + data_args() + ["-x", "4", "-v", "2", "-o", "out"], cwd=shards).stdout
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 4 and all(STEP_LINE.match(line) for line in steps), steps
+    assert steps[0].startswith("step    1/4 | loss ") and "fp32 MFU" in steps[0] and "(+nanz)" in steps[0]
+    assert re.search(r"^val loss \d+\.\d{6}$", out, re.M)
+    assert re.search(r"^\| Zero Optimization is disabled +\|$", out, re.M)
+    assert re.search(r"^allocated \d+ MiB for AdamW optimizer state m$", out, re.M)
+    log = open(shards / "out" / "main.log").read().splitlines()
+    assert log[0] == f"s:0 tel:{float(re.search(r'val loss (\S+)', out).group(1)):.4f}"
+    train_lines = [line for line in log if "trl" in line]
+    assert [line.split()[0] for line in train_lines] == ["s:0", "s:1", "s:2", "s:3"]
+    assert all(re.fullmatch(r"s:\d+ trl:\d+\.\d{4} lr:\d+\.\d{6} norm:\d+\.\d\d", line) for line in train_lines)
+    assert [line for line in log if "tel" in line][-1].startswith("s:4 tel:")   # val at the last step too
+
+
+def test_resumed_run_prints_the_same_losses_bit_for_bit(shards):
+    full = step_losses(run_train(TINY + data_args() + ["-x", "6"], cwd=shards).stdout)
+    run_train(TINY + data_args() + ["-x", "6", "-n", "3", "-o", "ck"], cwd=shards)
+    checkpoint.delete(shards / "ck", 6)                 # as if the run had died after step 3's checkpoint
+    resumed = run_train(TINY + data_args() + ["-x", "6", "-n", "3", "-o", "ck", "-y", "1"], cwd=shards).stdout
+    assert "resuming from checkpoint at step 3" in resumed
+    assert len(full) == 6 and step_losses(resumed) == full[3:]
+
+
+def test_killed_run_never_leaves_a_checkpoint_that_fails_to_load(shards):
+    """Kill the trainer at several moments, mid-write included; every DONE checkpoint must load and resume."""
+    args = TINY + data_args() + ["-x", "12", "-n", "1", "-o", "ck", "-y", "1"]
+    reference = step_losses(run_train(TINY + data_args() + ["-x", "12"], cwd=shards).stdout)
+    for round_, delay in enumerate((0.0, 0.002, 0.005)):
+        proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=shards, env=env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:   # kill while a later checkpoint is written
+            names = os.listdir(shards / "ck") if os.path.isdir(shards / "ck") else []
+            if (checkpoint.latest_step(shards / "ck") or 0) >= 3 * round_ and any(n.endswith(".tmp") for n in names):
+                time.sleep(delay)
+                break
+            time.sleep(0.0005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        step = checkpoint.latest_step(shards / "ck")
+        if step is not None:   # what -y 1 would take must load
+            config, _ = formats.read_model_header(checkpoint.model_path(shards / "ck", step))
+            formats.read_model(checkpoint.model_path(shards / "ck", step))
+            formats.read_state(checkpoint.state_path(shards / "ck", step), config.num_parameters)
+    resumed = run_train(args, cwd=shards).stdout
+    start = int(re.search(r"resuming from checkpoint at step (\d+)", resumed).group(1))
+    assert 0 < start < 12
+    assert step_losses(resumed) == reference[start:]
+
+
+def test_loss_falls_when_overfitting_one_batch(shards):
+    out = run_train(TINY + data_args() + ["-x", "20", "-a", "1", "-l", "3e-3"], cwd=shards).stdout
+    losses = [float(x) for x in step_losses(out)]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-i", "data/missing.bin"], "no files match -i/-j pattern 'data/missing.bin'"),
+    (["-zz", "1"], "unknown flag -zz"),
+    (["-b"], "flag -b has no value"),
+    (["-b", "four"], "flag -b needs int value, got 'four'"),
+    (["-d", "1000"], "total batch size -d 1000 is not divisible by B*T*N = 4*32*1 = 128"),
+    (["-t", "2048"], "-t 2048 exceeds the model's max_seq_len 1024"),
+    (["-e", "d7"], "unsupported GPT-2 depth 7"),
+    (["-e", "nothere.bin"], "nothere.bin: no such file"),
+    (["-k", "cosin"], "unknown learning rate scheduler 'cosin'"),
+    (["-z", "2"], "only ZeRO stages 0 and 1"),
+])
+def test_bad_input_gets_one_clear_line(shards, args, message):
+    proc = run_train(TINY + data_args() + ["-x", "1"] + args, cwd=shards, check=False)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[0].startswith("error: ") and message in proc.stderr.splitlines()[0], proc.stderr
+
+
+def test_token_id_out_of_range_names_the_shard(shards):
+    tokens = np.zeros(4097, dtype=np.int64)
+    tokens[100] = 50300
+    formats.write_shard(shards / "data" / "bad.bin", tokens)
+    proc = run_train(TINY + ["-i", "data/bad.bin", "-j", "data/val.bin", "-x", "1"], cwd=shards, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "data/bad.bin: token id 50300 at position 100 is >= vocab size 50257" in proc.stderr
+
+
+def test_resume_with_a_different_model_is_refused(shards):
+    run_train(TINY + data_args() + ["-x", "2", "-n", "1", "-o", "ck"], cwd=shards)
+    proc = run_train(["-e", "d2c32h4"] + TINY[2:] + data_args() + ["-x", "4", "-o", "ck", "-y", "1"],
+                     cwd=shards, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "model_00000002.bin: checkpoint model" in proc.stderr and "differs from the model given by -e" in proc.stderr
+
+
+def test_keep_only_the_newest_checkpoints(shards):
+    run_train(TINY + data_args() + ["-x", "5", "-n", "1", "-nk", "2", "-o", "ck"], cwd=shards)
+    assert sorted(f for f in os.listdir(shards / "ck") if f.startswith("DONE")) == ["DONE_00000004", "DONE_00000005"]
+    assert sorted(f for f in os.listdir(shards / "ck") if f.startswith("model")) == \
+        ["model_00000004.bin", "model_00000005.bin"]

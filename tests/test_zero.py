@@ -1,0 +1,117 @@
+"""ZeRO over MPI on the CPU: sharded training equals unsharded training, at any number of ranks."""
+import ast
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from llm import checkpoint, formats
+from conftest import REPO, TINY, TRAIN, data_args, env, run_train, step_losses
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpi4py mpich)")
+D = ["-d", str(6 * 4 * 32)]   # total batch: 6 sequences, so 1, 2 and 3 ranks all divide it
+
+
+def mpirun(n):
+    return [MPIEXEC, "-n", str(n)]
+
+
+def params_after(directory, step):
+    return formats.read_model(checkpoint.model_path(directory, step))[1]
+
+
+def train(shards, n, zero, out, extra=()):
+    args = TINY[:2] + ["-b", str(6 // n)] + TINY[4:] + data_args() + D + ["-z", str(zero), "-x", "10", "-n", "10",
+                                                                          "-o", out, *extra]
+    return run_train(args, cwd=shards, launcher=mpirun(n) if n > 1 else ())
+
+
+def assert_close(a, b, rtol):
+    """Relative agreement of two parameter (or loss) vectors: |a - b| / |b| in the 2-norm."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < rtol
+
+
+def test_two_ranks_with_zero1_equal_one_rank(shards):
+    one = train(shards, 1, 0, "one").stdout
+    two = train(shards, 2, 1, "two").stdout
+    assert "| Zero Stage1 is enabled" in two and "| num_processes         | 2 " in two
+    l1, l2 = [float(x) for x in step_losses(one)], [float(x) for x in step_losses(two)]
+    assert len(l1) == len(l2) == 10
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    assert_close(params_after(shards / "two", 10), params_after(shards / "one", 10), 1e-5)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero0_and_zero1_agree(shards, n):
+    z0 = train(shards, n, 0, f"z0_{n}").stdout
+    z1 = train(shards, n, 1, f"z1_{n}").stdout
+    np.testing.assert_allclose([float(x) for x in step_losses(z1)], [float(x) for x in step_losses(z0)], rtol=1e-5)
+    assert_close(params_after(shards / f"z1_{n}", 10), params_after(shards / f"z0_{n}", 10), 1e-5)
+
+
+def test_optimizer_state_per_rank_is_one_nth(shards):
+    """m and v bytes on each rank are ceil(P/N)*4, for an N that does not divide P."""
+    out = subprocess.run(mpirun(3) + [sys.executable, os.path.join(REPO, "tests", "mpi_shards.py"), "d2c64h4"],
+                         env=env(), capture_output=True, text=True, timeout=120, check=True).stdout
+    P, sizes = out.split(" ", 1)
+    P, sizes = int(P), ast.literal_eval(sizes)
+    assert P % 3 != 0
+    S = math.ceil(P / 3)
+    assert [(m, v) for m, v, _, _ in sizes] == [(4 * S, 4 * S)] * 3
+    assert [(lo, hi) for _, _, lo, hi in sizes] == [(0, S), (S, 2 * S), (2 * S, 3 * S)]
+
+
+def test_checkpoint_from_two_ranks_resumes_on_one_and_three(shards):
+    args = TINY[:2] + TINY[4:] + data_args() + D + ["-z", "1", "-x", "8", "-n", "4"]
+    full = step_losses(run_train(["-b", "3"] + args + ["-o", "full"], cwd=shards, launcher=mpirun(2)).stdout)
+    for n in (1, 3):
+        shutil.copytree(shards / "full", shards / f"from2_{n}")
+        checkpoint.delete(shards / f"from2_{n}", 8)
+        out = run_train(["-b", str(6 // n)] + args + ["-o", f"from2_{n}", "-y", "1"], cwd=shards,
+                        launcher=mpirun(n) if n > 1 else ()).stdout
+        assert "resuming from checkpoint at step 4" in out
+        np.testing.assert_allclose([float(x) for x in step_losses(out)], [float(x) for x in full[4:]], rtol=1e-5)
+
+
+def rank_pids(marker, rank):
+    """PIDs of processes whose command line contains `marker` and whose MPI rank is `rank`."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if marker in cmdline and "train_gpt2.py" in cmdline and f"PMI_RANK={rank}" in environ:
+            pids.append(int(pid))
+    return pids
+
+
+def test_killing_one_rank_stops_the_run_in_bounded_time(shards):
+    args = TINY[:2] + ["-b", "3"] + TINY[4:] + data_args() + D + ["-z", "1", "-x", "100000", "-o", "killme"]
+    proc = subprocess.Popen(mpirun(2) + [sys.executable, TRAIN, *args], cwd=shards, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not os.path.exists(shards / "killme" / "main.log"):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    pids = rank_pids("killme", 1)
+    assert pids, "rank 1 not found"
+    os.kill(pids[0], signal.SIGKILL)
+    t0 = time.time()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the run did not stop within 30 s of losing a rank")
+    assert proc.returncode != 0
+    assert time.time() - t0 < 30
+    assert not rank_pids("killme", 0), "rank 0 is still running"
