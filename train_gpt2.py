@@ -294,6 +294,8 @@ def main(argv):
         # ---- one training step: micro-steps, reduce, clip, update, gather ----
         t0 = time.perf_counter()
         model.zero_grad()
+        if args["a"]:
+            train_loader.reset()   # overfit a single batch: the same batch every step
         loss_sum = 0.0
         for _ in range(grad_accum):
             x, y = train_loader.next_batch()

@@ -22,7 +22,8 @@ def test_step_lines_and_log_follow_llmc_formats(shards):
     assert re.search(r"^\| Zero Optimization is disabled +\|$", out, re.M)
     assert re.search(r"^allocated \d+ MiB for AdamW optimizer state m$", out, re.M)
     log = open(shards / "out" / "main.log").read().splitlines()
-    assert log[0] == f"s:0 tel:{float(re.search(r'val loss (\S+)', out).group(1)):.4f}"
+    val_loss = float(re.search(r"val loss (\S+)", out).group(1))
+    assert log[0] == f"s:0 tel:{val_loss:.4f}"
     train_lines = [line for line in log if "trl" in line]
     assert [line.split()[0] for line in train_lines] == ["s:0", "s:1", "s:2", "s:3"]
     assert all(re.fullmatch(r"s:\d+ trl:\d+\.\d{4} lr:\d+\.\d{6} norm:\d+\.\d\d", line) for line in train_lines)
@@ -112,3 +113,12 @@ def test_keep_only_the_newest_checkpoints(shards):
     assert sorted(f for f in os.listdir(shards / "ck") if f.startswith("DONE")) == ["DONE_00000004", "DONE_00000005"]
     assert sorted(f for f in os.listdir(shards / "ck") if f.startswith("model")) == \
         ["model_00000004.bin", "model_00000005.bin"]
+
+
+def test_plot_renders_main_log_to_a_png(shards):
+    run_train(TINY + data_args() + ["-x", "3", "-v", "1", "-o", "out"], cwd=shards)
+    proc = subprocess.run([sys.executable, "-m", "llm.plot", "out"], cwd=shards, env=env(), capture_output=True,
+                          text=True, check=True)
+    assert "3 train and 4 val points" in proc.stdout
+    png = open(shards / "out" / "loss.png", "rb").read()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"

@@ -14,6 +14,7 @@ Attributes
   asarray(a, dtype=None)   host numpy array -> backend array (dtype defaults to a's)
   to_numpy(x)   backend array -> numpy array (bf16 becomes float32)
   synchronize() wait for queued device work (no-op on numpy)
+  device_name() what the backend computes on, for the printed config
 
 Forward ops write their outputs. Backward ops OVERWRITE the gradient of their activation input
 (dinp, dqkv) and ACCUMULATE (+=) into parameter gradients (dw, db, dwte, dwpe), as llm.c does, so that

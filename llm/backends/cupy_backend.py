@@ -11,8 +11,9 @@ launchers check this.
 
 cuBLAS is column-major; our arrays are row-major. A row-major (R, K) array is, in cuBLAS's eyes, the
 column-major K x R matrix: its transpose. So out = inp @ w^T, row-major (N, OC), is computed as the
-column-major out^T = w^T' @ inp^T with op(w) = T: gemm(T, N, m=OC, n=N, k=C). Each call below spells
-its own mapping.
+column-major out^T (OC x N) = w (OC x C) @ inp^T (C x N). cuBLAS sees w's memory as w^T, so w goes in
+with op T, and inp's memory as inp^T, so inp goes in as is: gemm(T, N, m=OC, n=N, k=C). Each call below
+spells its own mapping.
 
 Attention keeps att, the softmax probabilities (B, NH, T, T) in floatX, for the backward (llm.c's
 non-cuDNN path): memory grows with T^2, and the backward needs no recomputation.

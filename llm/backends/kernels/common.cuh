@@ -29,7 +29,7 @@ __device__ __forceinline__ void store_pack(floatX* p, const Pack& x) {
 
 // The most negative finite float: a running max that starts here stays finite, so exp(m - max) is
 // never exp(-inf + inf).
-constexpr float LOWEST = -3.402823466e38f;
+#define LOWEST (-3.402823466e38f)
 
 // Butterfly reductions over the 32 lanes of a warp; every lane gets the result, and the order of
 // the additions is fixed, so the result is the same on every run.

@@ -1,0 +1,66 @@
+"""Tiny Shakespeare as GPT-2 token shards, byte for byte what llm.c's dev/data/tinyshakespeare.py writes.
+
+  python data/tinyshakespeare.py                                             download corpus and ranks
+  python data/tinyshakespeare.py --input tinyshakespeare.txt --vocab gpt2.tiktoken    offline
+
+Each section of the text between blank lines is a document: EOT, then the section's tokens. The first
+32,768 tokens are the val split, the other 305,260 the train split. It also writes gpt2_tokenizer.bin,
+from which train_gpt2.py decodes the samples it prints.
+"""
+import os
+import sys
+
+# run as a script, Python puts data/ on the path; the repo root is needed to import llm and data
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from data import REPO, arguments, read_text, run   # noqa: E402
+from llm import formats   # noqa: E402
+from llm.tokenizer import Tokenizer   # noqa: E402
+
+URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+VAL_TOKENS = 32768
+PROGRESS_LINES = 4
+
+
+def tokenize(text, tokenizer):
+    """The corpus as one token list: EOT + tokens of each "\\n\\n"-separated section.
+
+    llm.c meant to drop each "\\n\\n" but put EOT after it instead, so every section but the last keeps
+    its "\\n\\n"; we keep that too, for identical files."""
+    sections = text.split("\n\n")
+    documents = [s + "\n\n" for s in sections[:-1]] + sections[-1:]
+    tokens = []
+    chunk = -(-len(documents) // PROGRESS_LINES)
+    for start in range(0, len(documents), chunk):
+        for document in tokenizer.encode_batch(documents[start:start + chunk]):
+            tokens.append(tokenizer.eot)
+            tokens.extend(document)
+        done = min(start + chunk, len(documents))
+        print(f"tokenized {done:,}/{len(documents):,} sections ({len(tokens):,} tokens)")
+    return tokens
+
+
+def write_shard(path, tokens):
+    """formats.write_shard, with llm.c's line saying what is written."""
+    size = formats.HEADER_BYTES + 2 * len(tokens)
+    print(f"writing {len(tokens):,} tokens to {path} ({size:,} bytes) in the gpt-2 format")
+    formats.write_shard(path, tokens)
+
+
+def main():
+    parser = arguments(__doc__.splitlines()[0], URL, os.path.join("data", "tinyshakespeare"), "TINYSHAKESPEARE")
+    parser.add_argument("--tokenizer", default=os.path.join(REPO, "gpt2_tokenizer.bin"),
+                        help="where to write llm.c's tokenizer file (default: gpt2_tokenizer.bin)")
+    args = parser.parse_args()
+    text = read_text(args.input, URL)
+    tokenizer = Tokenizer(args.vocab)
+    tokens = tokenize(text, tokenizer)
+    os.makedirs(args.out, exist_ok=True)
+    write_shard(os.path.join(args.out, "tiny_shakespeare_val.bin"), tokens[:VAL_TOKENS])
+    write_shard(os.path.join(args.out, "tiny_shakespeare_train.bin"), tokens[VAL_TOKENS:])
+    print(f"writing the bytes of {tokenizer.enc.n_vocab:,} tokens to {args.tokenizer}")
+    tokenizer.write_tokenizer_file(args.tokenizer)
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,93 @@
+"""The CPU backend: every layer op is reference/'s function, its result placed as the contract says.
+
+The reference functions are pure (they return fresh arrays); this backend writes those results into the
+model's buffers: forward outputs and activation gradients are assigned, parameter gradients are added.
+Everything is float32, and the matmuls go to NumPy's BLAS.
+"""
+import os
+
+import numpy as np
+
+import reference as ref
+
+ADAMW_CHUNK = 1 << 18   # elements per AdamW slice: its temporaries stay in cache, not 124M-element arrays
+
+
+class NumpyBackend:
+    name = "numpy"
+    xp = np
+    dtype = np.float32
+    precision = "fp32"
+    master_weights = False
+
+    def asarray(self, a, dtype=None):
+        return np.array(a, dtype=dtype)        # a copy, as a host-to-device transfer would be
+
+    def to_numpy(self, x):
+        return np.array(x)
+
+    def device_name(self):
+        return f"CPU ({os.cpu_count()} cores, NumPy)"
+
+    def synchronize(self):
+        pass
+
+    def encoder_forward(self, out, inp, wte, wpe):
+        out[...] = ref.encoder_forward(inp, wte, wpe)
+
+    def encoder_backward(self, dwte, dwpe, dout, inp):
+        dwte_, dwpe_ = ref.encoder_backward(dout, inp, dwte.shape, dwpe.shape)
+        dwte += dwte_
+        dwpe += dwpe_
+
+    def layernorm_forward(self, out, mean, rstd, inp, w, b):
+        out[...], mean[...], rstd[...] = ref.layernorm_forward(inp, w, b)
+
+    def layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd):
+        dinp_, dw_, db_ = ref.layernorm_backward(dout, inp, w, mean, rstd)
+        dinp += dinp_     # dinp is the residual stream's gradient: it already holds the skip path's share
+        dw += dw_
+        db += db_
+
+    def matmul_forward(self, out, inp, w, bias):
+        out[...] = ref.matmul_forward(inp, w, bias)
+
+    def matmul_backward(self, dinp, dw, dbias, dout, inp, w):
+        dinp[...], dw_, dbias_ = ref.matmul_backward(dout, inp, w, has_bias=dbias is not None)
+        dw += dw_
+        if dbias is not None:
+            dbias += dbias_
+
+    def attention_saved_shape(self, B, T, NH):
+        return (B, NH, T, T), np.float32     # the softmax probabilities att
+
+    def attention_forward(self, out, att, qkv, NH):
+        out[...], att[...] = ref.attention_forward(qkv, NH)
+
+    def attention_backward(self, dqkv, dout, qkv, att, NH):
+        dqkv[...] = ref.attention_backward(dout, qkv, att, NH)
+
+    def gelu_forward(self, out, inp):
+        out[...] = ref.gelu_forward(inp)
+
+    def gelu_backward(self, dinp, inp, dout):
+        dinp[...] = ref.gelu_backward(dout, inp)
+
+    def residual_forward(self, out, inp1, inp2):
+        out[...] = ref.residual_forward(inp1, inp2)
+
+    def fused_classifier(self, logits, losses, targets, V, dloss):
+        losses[...], probs = ref.crossentropy_forward(logits, targets, V)
+        if dloss is not None:
+            dlosses = np.full(losses.shape, dloss, logits.dtype)
+            logits[...] = ref.crossentropy_backward(probs, targets, dlosses)
+
+    def adamw(self, param, grad, m, v, master, lr, beta1, beta2, eps, weight_decay, t, grad_scale):
+        """In place over one 1-D segment, a slice at a time; master is unused (the params are fp32)."""
+        for lo in range(0, param.size, ADAMW_CHUNK):
+            s = slice(lo, lo + ADAMW_CHUNK)
+            param[s], m[s], v[s] = ref.adamw_update(param[s], grad[s], m[s], v[s], t, lr, beta1, beta2, eps,
+                                                    weight_decay, grad_scale)
+
+    def sumsq(self, x):
+        return np.asarray(np.dot(x, x), dtype=np.float32)   # BLAS sdot: float32 accumulation

@@ -1,0 +1,167 @@
+"""GPT-2 BPE and the data scripts: tiny Shakespeare shards identical to llm.c's, gpt2_tokenizer.bin, HellaSwag.
+
+Needs the local GPT-2 ranks and corpus: $GPT2_VOCAB and $TINYSHAKESPEARE, else ../shared/data beside the repo."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llm import formats
+from llm.tokenizer import Tokenizer, TokenizerFile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(REPO, "..", "shared", "data")
+VOCAB = os.environ.get("GPT2_VOCAB") or os.path.join(SHARED, "gpt2.tiktoken")
+CORPUS = os.environ.get("TINYSHAKESPEARE") or os.path.join(SHARED, "tinyshakespeare.txt")
+EOT = 50256
+
+needs_vocab = pytest.mark.skipif(not os.path.exists(VOCAB), reason=f"GPT-2 ranks not found at {VOCAB} "
+                                 "(set GPT2_VOCAB to a gpt2.tiktoken file)")
+needs_corpus = pytest.mark.skipif(not os.path.exists(CORPUS), reason=f"tiny Shakespeare not found at {CORPUS} "
+                                  "(set TINYSHAKESPEARE to the corpus)")
+
+
+def run_script(name, args, cwd):
+    """Run data/<name>.py in `cwd`; return the CompletedProcess (text output)."""
+    return subprocess.run([sys.executable, os.path.join(REPO, "data", name), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def header(path):
+    return np.fromfile(path, dtype="<i4", count=256)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(VOCAB)
+
+
+@pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory):
+    """Run data/tinyshakespeare.py once: the output paths and what it printed."""
+    out = tmp_path_factory.mktemp("tinyshakespeare")
+    tok = out / "gpt2_tokenizer.bin"
+    proc = run_script("tinyshakespeare.py", ["--input", CORPUS, "--vocab", VOCAB, "--out", str(out),
+                                             "--tokenizer", str(tok)], cwd=out)
+    assert proc.returncode == 0, proc.stderr
+    return dict(train=out / "tiny_shakespeare_train.bin", val=out / "tiny_shakespeare_val.bin",
+                tokenizer=tok, stdout=proc.stdout)
+
+
+@needs_vocab
+def test_hello_world_is_15496_995(tokenizer):
+    assert tokenizer.encode("Hello world") == [15496, 995]
+    assert tokenizer.decode([15496, 995]) == "Hello world"
+    assert tokenizer.eot == EOT
+    assert tokenizer.encode("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]   # plain text, not EOT
+    assert tokenizer.encode_batch(["Hello world", " world"]) == [[15496, 995], [995]]
+
+
+@needs_vocab
+@needs_corpus
+def test_tinyshakespeare_gives_llmc_shards_of_305260_train_and_32768_val_tokens(shakespeare):
+    for split, ntok in (("train", 305260), ("val", 32768)):
+        assert header(shakespeare[split])[:3].tolist() == [20240520, 1, ntok]
+        assert os.path.getsize(shakespeare[split]) == 1024 + 2 * ntok
+        assert len(formats.read_shard(shakespeare[split])) == ntok
+    stdout = shakespeare["stdout"]
+    assert f"writing 32,768 tokens to {shakespeare['val']} (66,560 bytes) in the gpt-2 format" in stdout
+    assert f"writing 305,260 tokens to {shakespeare['train']} (611,544 bytes)" in stdout
+    assert "tokenized 7,222/7,222 sections (338,028 tokens)" in stdout
+
+
+@needs_vocab
+@needs_corpus
+def test_every_section_is_eot_then_its_text_with_its_blank_line(shakespeare, tokenizer):
+    tokens = np.concatenate([formats.read_shard(shakespeare["val"]), formats.read_shard(shakespeare["train"])])
+    assert tokens[0] == EOT
+    starts = np.flatnonzero(tokens == EOT)   # the text itself never encodes to EOT
+    documents = [tokenizer.decode(d[1:].tolist()) for d in np.split(tokens, starts[1:])]
+    sections = Path(CORPUS).read_text(encoding="utf-8").split("\n\n")
+    assert len(starts) == len(sections) == 7222
+    assert documents == [s + "\n\n" for s in sections[:-1]] + sections[-1:]
+
+
+@needs_vocab
+@needs_corpus
+def test_val_split_decodes_to_the_start_of_the_corpus(shakespeare):
+    val = formats.read_shard(shakespeare["val"])
+    text = TokenizerFile(shakespeare["tokenizer"]).decode(val[1:7].tolist())
+    assert text == "First Citizen:\nBefore we"
+
+
+@needs_vocab
+@needs_corpus
+def test_tokenizer_file_decodes_exactly_as_tiktoken(shakespeare, tokenizer):
+    assert header(shakespeare["tokenizer"])[:4].tolist() == [20240328, 2, 50257, EOT]
+    decoder = TokenizerFile(shakespeare["tokenizer"], expected_vocab=50257)
+    assert decoder.eot == EOT and decoder.token_bytes == tokenizer.token_bytes()
+    sample = formats.read_shard(shakespeare["train"])[:2000].tolist()
+    assert decoder.decode(sample) == tokenizer.decode(sample)
+    # a character split across tokens: alone, a piece decodes as U+FFFD in both
+    emoji = tokenizer.encode("caf\u00e9 \U0001F600")
+    for ids in (emoji, emoji[-1:], [EOT]):
+        assert decoder.decode(ids) == tokenizer.decode(ids)
+    assert decoder.decode(emoji) == "caf\u00e9 \U0001F600" and "\ufffd" in decoder.decode(emoji[-1:])
+
+
+def test_missing_input_is_one_line_and_exit_1(tmp_path):
+    missing = tmp_path / "missing.txt"
+    proc = run_script("tinyshakespeare.py", ["--input", str(missing), "--out", str(tmp_path)], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr == f"error: {missing}: no such file\n"
+    assert os.listdir(tmp_path) == []
+
+
+@needs_corpus
+def test_missing_vocab_is_one_line_and_exit_1(tmp_path):
+    missing = tmp_path / "gpt2.tiktoken"
+    proc = run_script("tinyshakespeare.py", ["--input", CORPUS, "--vocab", str(missing), "--out", str(tmp_path)],
+                      cwd=tmp_path)
+    assert proc.returncode == 1
+    hint = "pass --vocab PATH to a gpt2.tiktoken file or set GPT2_VOCAB"
+    assert proc.stderr == f"error: {missing}: no such file: {hint}\n"
+
+
+HELLASWAG = [
+    {"ind": 24, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.", "ctx_b": "he",
+     "ctx": "A man is sitting on a roof. he", "split": "val", "split_type": "indomain", "label": 3,
+     "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                 "is holding a rubik's cube.", "starts pulling up roofing on a roof."]},
+    {"ind": 92, "ctx": "A woman is outside with a bucket and a dog.", "label": 0,
+     "endings": ["She rinses the bucket off.", "She jumps in.", "She paints.", "She leaves."]},
+    {"ind": 106, "ctx": "Two people play tennis", "label": 2, "endings": ["well", "badly", "all day", "at night"]},
+]
+
+
+@needs_vocab
+def test_hellaswag_examples_are_context_and_space_led_endings(tmp_path, tokenizer):
+    jsonl = tmp_path / "hellaswag_val.jsonl"
+    jsonl.write_text("".join(json.dumps(e) + "\n" for e in HELLASWAG))
+    out = tmp_path / "hellaswag"
+    proc = run_script("hellaswag.py", ["--input", str(jsonl), "--vocab", VOCAB, "--out", str(out)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    path = out / "hellaswag_val.bin"
+    assert f"writing 3 examples to {path}" in proc.stdout
+    assert header(path)[:3].tolist() == [20240522, 1, 3]
+    examples = formats.read_eval(path)
+    assert [e["label"] for e in examples] == [3, 0, 2]
+    assert examples[0]["context"] == tokenizer.encode("A man is sitting on a roof. he")
+    assert examples[0]["completions"][3] == tokenizer.encode(" starts pulling up roofing on a roof.")
+    assert examples[2]["completions"] == [[880], [11234], [477, 1110], [379, 1755]]   # " well", " badly", ...
+    for example in examples:
+        assert all(tokenizer.decode(c[:1]).startswith(" ") for c in example["completions"])
+
+
+@needs_vocab
+def test_hellaswag_bad_line_names_the_line(tmp_path):
+    jsonl = tmp_path / "hellaswag_val.jsonl"
+    jsonl.write_text(json.dumps(HELLASWAG[0]) + "\n" + json.dumps({"ctx": "x", "label": 1}) + "\n")
+    args = ["--input", str(jsonl), "--vocab", VOCAB, "--out", str(tmp_path)]
+    proc = run_script("hellaswag.py", args, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr == f"error: {jsonl} line 2: not a HellaSwag example (KeyError: 'endings')\n"
