@@ -10,10 +10,10 @@ def crossentropy_forward(logits, targets, V):
 
     losses = -log probs[target] = log(sum exp z) - z[target], with z the first V logits minus their max."""
     z = logits[..., :V] - logits[..., :V].max(axis=-1, keepdims=True)   # shifting by the max keeps exp finite
-    e = np.exp(z)
-    total = e.sum(axis=-1, keepdims=True)
     probs = np.zeros_like(logits)
-    probs[..., :V] = e / total
+    np.exp(z, out=probs[..., :V])                                        # written in place: (B, T, V) is large
+    total = probs.sum(axis=-1, keepdims=True)
+    probs /= total
     z_target = np.take_along_axis(z, targets[..., None], axis=-1)
     losses = (np.log(total) - z_target)[..., 0]
     return losses, probs
@@ -24,6 +24,7 @@ def crossentropy_backward(probs, targets, dlosses):
 
     d losses[b, t] / d logits[b, t, i] = probs[i] - [i == target]. A padded column has probability 0
     and is never a target, so its gradient is 0."""
-    onehot = np.zeros_like(probs)
-    np.put_along_axis(onehot, targets[..., None], 1, axis=-1)
-    return (probs - onehot) * dlosses[..., None]
+    dlogits = probs * dlosses[..., None]
+    b, t = np.indices(targets.shape)
+    dlogits[b, t, targets] -= dlosses                                    # the onehot term, at the targets only
+    return dlogits

@@ -4,12 +4,14 @@ The reference functions are pure (they return fresh arrays); this backend writes
 model's buffers: forward outputs and activation gradients are assigned, parameter gradients are added.
 Everything is float32, and the matmuls go to NumPy's BLAS.
 """
+from concurrent.futures import ThreadPoolExecutor
 import os
 
 import numpy as np
 
 import reference as ref
 
+CLASSIFIER_ROWS = 16    # positions per classifier slice: 16 x Vp floats of temporaries
 ADAMW_CHUNK = 1 << 18   # elements per AdamW slice: its temporaries stay in cache, not 124M-element arrays
 
 
@@ -19,6 +21,9 @@ class NumpyBackend:
     dtype = np.float32
     precision = "fp32"
     master_weights = False
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
 
     def asarray(self, a, dtype=None):
         return np.array(a, dtype=dtype)        # a copy, as a host-to-device transfer would be
@@ -77,17 +82,28 @@ class NumpyBackend:
         out[...] = ref.residual_forward(inp1, inp2)
 
     def fused_classifier(self, logits, losses, targets, V, dloss):
-        losses[...], probs = ref.crossentropy_forward(logits, targets, V)
-        if dloss is not None:
-            dlosses = np.full(losses.shape, dloss, logits.dtype)
-            logits[...] = ref.crossentropy_backward(probs, targets, dlosses)
+        """A few positions at a time, on a thread per core: each slice's (rows, Vp) temporaries stay small."""
+        rows = logits.reshape(-1, logits.shape[-1])
+        flat_losses, flat_targets = losses.reshape(-1), targets.reshape(-1)
+
+        def classify(lo):
+            s = slice(lo, lo + CLASSIFIER_ROWS)
+            row_losses, probs = ref.crossentropy_forward(rows[None, s], flat_targets[None, s], V)
+            flat_losses[s] = row_losses[0]
+            if dloss is not None:
+                dlosses = np.full(row_losses.shape, dloss, logits.dtype)
+                rows[s] = ref.crossentropy_backward(probs, flat_targets[None, s], dlosses)[0]
+        list(self._pool.map(classify, range(0, rows.shape[0], CLASSIFIER_ROWS)))
 
     def adamw(self, param, grad, m, v, master, lr, beta1, beta2, eps, weight_decay, t, grad_scale):
-        """In place over one 1-D segment, a slice at a time; master is unused (the params are fp32)."""
-        for lo in range(0, param.size, ADAMW_CHUNK):
+        """In place over one 1-D segment, a slice at a time; master is unused (the params are fp32).
+
+        NumPy's element-wise ops use one core and release the GIL, so the slices go to a thread per core."""
+        def update(lo):
             s = slice(lo, lo + ADAMW_CHUNK)
             param[s], m[s], v[s] = ref.adamw_update(param[s], grad[s], m[s], v[s], t, lr, beta1, beta2, eps,
                                                     weight_decay, grad_scale)
+        list(self._pool.map(update, range(0, param.size, ADAMW_CHUNK)))
 
     def sumsq(self, x):
         return np.asarray(np.dot(x, x), dtype=np.float32)   # BLAS sdot: float32 accumulation
