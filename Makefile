@@ -29,7 +29,7 @@ $(DATA): setup
 
 # a 4-layer, 256-channel GPT-2 (~16M parameters, most in wte) for about two minutes on 2 cores
 train: data
-	$(PY) train_gpt2.py -e d4c256h4 -b 8 -t 64 -l 1e-3 -u 20 -x 150 -v 50 -m 4 -s 150 -g 48 -o log_train
+	$(PY) train_gpt2.py -e d4c256h4 -b 8 -t 64 -l 1e-3 -u 20 -x 250 -v 50 -m 4 -s 250 -g 48 -o log_train
 
 test: setup
 	$(PY) -m pytest -q

@@ -9,19 +9,20 @@ import math
 import os
 import sys
 import time
+import traceback
 
 import numpy as np
 
 from llm import checkpoint, formats
 from llm.backends import get_backend
-from llm.comm import make_comm
+from llm.comm import launched_world_size, make_comm
 from llm.config import ConfigError, GPT2Config
 from llm.data import DataError, DataLoader, EvalLoader, score
 from llm.formats import FormatError
 from llm.model import GPT2, init_params
 from llm.optim import LRScheduler, OutlierDetector, clip_scale
 from llm.sample import generate
-from llm.tokenizer import TokenizerFile
+from llm.tokenizer import TokenizerError, TokenizerFile
 from llm.zero import ZeroOptimizer, padded_size
 
 HELLASWAG_PATH = "data/hellaswag/hellaswag_val.bin"
@@ -251,7 +252,7 @@ def main(argv):
     scheduler = LRScheduler(args["k"], args["l"], args["u"], train_steps, args["q"])
     loss_outliers, norm_outliers = OutlierDetector(), OutlierDetector()
     flops_per_step = (6 * config.num_parameters + 6 * config.num_layers * config.channels * T) * B * T * grad_accum
-    ema_tok_s, total_ms = None, 0.0
+    ema_tok_s, total_ms = 0.0, 0.0
 
     for step in range(start_step, train_steps + 1):
         last_step = step == train_steps
@@ -318,19 +319,32 @@ def main(argv):
         backend.synchronize()
         ms = (time.perf_counter() - t0) * 1000
 
-        tok_s = total_batch / ms * 1000
-        ema_tok_s = tok_s if ema_tok_s is None else 0.95 * ema_tok_s + 0.05 * tok_s
-        shown_tok_s = tok_s if step == start_step else ema_tok_s / (1 - 0.95 ** (step - start_step))
+        tok_s = total_batch / ms * 1000   # an EMA from the second step on, bias-corrected, as llm.c
+        if step > start_step:
+            ema_tok_s = 0.95 * ema_tok_s + 0.05 * tok_s
+            tok_s = ema_tok_s / (1 - 0.95 ** (step - start_step))
         mfu = flops_per_step / (ms / 1000) / peak if peak else -1.0
         if step > start_step:
             total_ms += ms
         log0(f"step {step + 1:4d}/{train_steps} | loss {loss:7.6f} ({loss_z:+.2f}z)| norm {grad_norm:6.4f} "
              f"({norm_z:+.2f}z)| lr {lr:.2e} | {ms:.2f} ms | {100 * mfu:.1f}% {backend.precision} MFU | "
-             f"{shown_tok_s:.0f} tok/s")
+             f"{tok_s:.0f} tok/s")
         log(f"s:{step} trl:{loss:.4f} lr:{lr:.6f} norm:{grad_norm:.2f}")
 
     if train_steps - start_step > 1:
         log0(f"total average iteration time: {total_ms / (train_steps - start_step - 1):f} ms")
+
+
+def fail(message):
+    """Report an error and stop every rank: under mpirun a rank that just exits leaves the others waiting
+    in their next collective, so a multi-process run aborts the whole job."""
+    world_size = launched_world_size()
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
+    print(message if world_size == 1 else f"rank {rank}: {message}", file=sys.stderr, flush=True)
+    if world_size > 1:
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
@@ -341,8 +355,8 @@ if __name__ == "__main__":
     try:
         main(argv)
     except UsageError as e:
-        print(f"error: {e}\n{usage()}", file=sys.stderr)
-        sys.exit(1)
-    except (ConfigError, FormatError, DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        fail(f"error: {e}\n{usage()}")
+    except (ConfigError, FormatError, DataError, TokenizerError, ValueError) as e:
+        fail(f"error: {e}")
+    except Exception:
+        fail(traceback.format_exc())

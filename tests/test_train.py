@@ -122,3 +122,20 @@ def test_plot_renders_main_log_to_a_png(shards):
     assert "3 train and 4 val points" in proc.stdout
     png = open(shards / "out" / "loss.png", "rb").read()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+
+
+def test_hellaswag_eval_runs_when_its_file_exists(shards):
+    rng = np.random.default_rng(1)
+    examples = [dict(label=int(rng.integers(4)), context=list(rng.integers(0, 50257, 5)),
+                     completions=[list(rng.integers(0, 50257, 3)) for _ in range(4)]) for _ in range(3)]
+    os.makedirs(shards / "data" / "hellaswag")
+    formats.write_eval(shards / "data" / "hellaswag" / "hellaswag_val.bin", examples)
+    out = run_train(TINY + data_args() + ["-x", "2", "-v", "1", "-h", "1", "-o", "out"], cwd=shards).stdout
+    assert "| run hellaswag         | yes" in out
+    assert len(re.findall(r"^HellaSwag: \d/3 = \d\.\d{6}$", out, re.M)) == 2      # at steps 1 and 2
+    assert re.search(r"^s:2 eval:\d\.\d{4}$", open(shards / "out" / "main.log").read(), re.M)
+
+
+def test_hellaswag_flag_without_its_file_says_so(shards):
+    out = run_train(TINY + data_args() + ["-x", "1", "-h", "1"], cwd=shards).stdout
+    assert "| run hellaswag         | no" in out and "python data/hellaswag.py" in out

@@ -43,6 +43,9 @@ def test_two_ranks_with_zero1_equal_one_rank(shards):
     one = train(shards, 1, 0, "one").stdout
     two = train(shards, 2, 1, "two").stdout
     assert "| Zero Stage1 is enabled" in two and "| num_processes         | 2 " in two
+    P = 3385088 * 4   # d2c64h4's fp32 bytes: the optimizer state halves on two ranks
+    assert f"allocated {P >> 20} MiB for AdamW optimizer state m" in one
+    assert f"allocated {(P // 2) >> 20} MiB for AdamW optimizer state v" in two
     l1, l2 = [float(x) for x in step_losses(one)], [float(x) for x in step_losses(two)]
     assert len(l1) == len(l2) == 10
     np.testing.assert_allclose(l2, l1, rtol=1e-5)
