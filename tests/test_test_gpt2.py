@@ -1,0 +1,67 @@
+"""test_gpt2.py itself: it passes on the trainer, reads llm.c-style debug states, and fails when it should."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from llm import formats
+from llm.config import GPT2Config
+from llm.layout import PARAM_NAMES, ParamViews
+from llm.model import init_params
+from reference import gpt2 as ref
+from conftest import REPO, env
+
+TEST = os.path.join(REPO, "test_gpt2.py")
+
+
+def run(*args, cwd=REPO):
+    return subprocess.run([sys.executable, TEST, *args], cwd=cwd, env=env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_test_gpt2_passes_against_the_float64_reference():
+    proc = run()
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("overall okay: 1"), proc.stdout[-2000:]
+    assert proc.stdout.count("OK (d") == 16 and "NOT OK" not in proc.stdout
+
+
+def write_debug_state(tmp_path, config, params, corrupt=None):
+    """A model file and a debug state in llm.c's formats, with the reference's numbers in float32."""
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, config.vocab_size, (2, 16), dtype=np.int32)
+    y = rng.integers(0, config.vocab_size, (2, 16), dtype=np.int32)
+    p = {name: view.astype(np.float64) for name, view in ParamViews(params, config)}
+    logits, loss, cache = ref.gpt2_forward(p, config, x, y)
+    grads = ref.gpt2_backward(p, config, cache)
+    flat = np.concatenate([grads[name].ravel() for name in PARAM_NAMES]).astype(np.float32)
+    if corrupt:
+        getattr(ParamViews(flat, config), corrupt)[...] += 1.0
+    formats.write_model(tmp_path / "model.bin", config, params)
+    formats.write_debug_state(tmp_path / "debug.bin", x, y, logits[..., :config.vocab_size].astype(np.float32),
+                              np.float32(loss), flat)
+
+
+def test_test_gpt2_checks_a_model_against_a_debug_state_file(tmp_path):
+    config = GPT2Config.from_descriptor("d2c64h4")
+    write_debug_state(tmp_path, config, init_params(config))
+    proc = run("-e", str(tmp_path / "model.bin"), "-ds", str(tmp_path / "debug.bin"))
+    assert proc.returncode == 0 and "overall okay: 1" in proc.stdout, proc.stdout[-2000:]
+    assert "testing against" in proc.stdout and "B=2 T=16" in proc.stdout
+
+
+def test_test_gpt2_reports_a_wrong_gradient_and_exits_nonzero(tmp_path):
+    config = GPT2Config.from_descriptor("d2c64h4")
+    write_debug_state(tmp_path, config, init_params(config), corrupt="fcprojb")
+    proc = run("-e", str(tmp_path / "model.bin"), "-ds", str(tmp_path / "debug.bin"))
+    assert proc.returncode == 1 and "overall okay: 0" in proc.stdout
+    assert "NOT OK (dfcprojb)" in proc.stdout and "OK (dfcw)" in proc.stdout
+
+
+def test_test_gpt2_names_a_bad_debug_state_file(tmp_path):
+    (tmp_path / "debug.bin").write_bytes(b"\0" * 2048)
+    config = GPT2Config.from_descriptor("d2c64h4")
+    formats.write_model(tmp_path / "model.bin", config, init_params(config))
+    proc = run("-e", str(tmp_path / "model.bin"), "-ds", str(tmp_path / "debug.bin"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "debug.bin: bad magic 0" in proc.stderr
