@@ -139,3 +139,28 @@ def test_hellaswag_eval_runs_when_its_file_exists(shards):
 def test_hellaswag_flag_without_its_file_says_so(shards):
     out = run_train(TINY + data_args() + ["-x", "1", "-h", "1"], cwd=shards).stdout
     assert "| run hellaswag         | no" in out and "python data/hellaswag.py" in out
+
+
+def test_non_finite_loss_never_reaches_the_weights(shards):
+    from llm.config import GPT2Config
+    from llm.layout import ParamViews
+    from llm.model import init_params
+    config = GPT2Config.from_descriptor("d2c64h4")
+    params = init_params(config)
+    ParamViews(params, config).lnfb[0] = np.inf           # every logit, and so every loss, becomes nan
+    formats.write_model(shards / "poisoned.bin", config, params)
+    out = run_train(["-e", "poisoned.bin"] + TINY[2:] + data_args() + ["-x", "3", "-n", "3", "-o", "ck"],
+                    cwd=shards).stdout
+    assert out.count("skipping update: non-finite loss") == 3
+    _, after, _ = formats.read_model(checkpoint.model_path(shards / "ck", 3))
+    np.testing.assert_array_equal(after, params)            # untouched, inf included
+
+
+def test_grad_norm_outliers_are_skipped_once_the_window_fills(shards):
+    out = run_train(TINY + data_args() + ["-x", "135", "-sg", "1e-6", "-v", "1000"], cwd=shards).stdout
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert all("(+nanz)" in line for line in lines[:128]) and "(+nanz)" not in lines[128]
+    assert "skipping update due to grad z-score of" in out
+    # the window fills at step 129: no step before it is skipped (a skip is reported before its step line)
+    assert "skipping update" not in out.split(lines[127])[0]
+    assert 1 <= out.count("skipping update due to grad z-score") <= 135 - 128
