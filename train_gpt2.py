@@ -61,6 +61,7 @@ FLAGS = {
     "-r": (1, int, "recompute (llm.c: 0 none, 1 GELU, 2 GELU+LN); here every activation is kept"),
     "--backend": ("auto", str, "numpy, cupy, or auto (cupy when a GPU is usable)"),
     "--precision": ("auto", str, "fp32 or bf16 (auto: bf16 on the GPU, fp32 on the CPU)"),
+    "--comm": ("auto", str, "auto, or nccl: NCCL between GPUs even for a single rank"),
 }
 
 
@@ -148,7 +149,9 @@ def build_model(args, backend, comm):
 def main(argv):
     args = parse_args(argv)
     backend_name, precision = choose_backend(args)
-    comm = make_comm(gpu=backend_name == "cupy")
+    if args["comm"] not in ("auto", "nccl") or args["comm"] == "nccl" and backend_name != "cupy":
+        raise UsageError(f"--comm {args['comm']}: use auto, or nccl with the cupy backend")
+    comm = make_comm(gpu=backend_name == "cupy", force_nccl=args["comm"] == "nccl")
     backend = get_backend(backend_name, precision, master_weights=bool(args["w"]), allow_tf32=bool(args["f"]))
     log0 = print if comm.rank == 0 else (lambda *a, **k: None)
     B, T, N = args["b"], args["t"], comm.world_size
@@ -205,7 +208,8 @@ def main(argv):
     log0(BORDER + "\n" + row("train_num_batches", train_steps) + "\n" + row("val_num_batches", val_steps))
     log0(BORDER + "\n" + row("run hellaswag", "yes" if run_hellaswag else "no") + "\n" + BORDER)
     log0(wide_row("Zero Stage1 is enabled" if args["z"] == 1 else "Zero Optimization is disabled"))
-    log0(row("num_processes", N) + "\n" + row("zero_stage", args["z"]) + "\n" + BORDER)
+    log0(row("num_processes", N) + "\n" + row("zero_stage", args["z"]) + "\n" + row("communicator", comm.name)
+         + "\n" + BORDER)
     if args["h"] and not run_hellaswag:
         log0(f"HellaSwag eval not found at {HELLASWAG_PATH}, skipping its evaluation")
         log0("You can run `python data/hellaswag.py` to export and use it with `-h 1`.")

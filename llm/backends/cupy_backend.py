@@ -89,6 +89,10 @@ class CupyBackend:
     def synchronize(self):
         cupy.cuda.get_current_stream().synchronize()
 
+    def device_name(self):
+        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+        return name.decode() if isinstance(name, bytes) else name
+
     # ---------------------------------------------------------------- plumbing
 
     def _kernel(self, family, name, dtype=None):

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One pass on a GPU machine: versions, the backend's op checks, test_gpt2 in fp32 and bf16, and the d12
+# throughput benchmark. Logs go to $OUT (or ./gpu_logs). Usage: bash bench/gpu_check.sh [stage ...]
+# stages: env ops test bench train mpi ckpt (default: env ops test bench)
+set -u
+OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
+MPIRUN="mpirun --allow-run-as-root --oversubscribe"
+TS="-i data/tinyshakespeare/tiny_shakespeare_train.bin -j data/tinyshakespeare/tiny_shakespeare_val.bin"
+stages=${*:-env ops test bench}
+for stage in $stages; do
+  echo "=== $stage"
+  case $stage in
+  env)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import cupy, numpy, ml_dtypes, mpi4py; from cupy.cuda import nccl
+print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'nccl', nccl.get_version(),
+      'numpy', numpy.__version__, 'ml_dtypes', ml_dtypes.__version__, 'mpi4py', mpi4py.__version__)" ;;
+  ops)
+    timeout 300 python3 -m pytest -q -x tests/test_cupy_backend.py 2>&1 | tee "$OUT/ops.log" | tail -25 ;;
+  test)
+    timeout 150 python3 test_gpt2.py --backend cupy --precision fp32 2>&1 | tee "$OUT/test_fp32.log" | tail -32
+    timeout 150 python3 test_gpt2.py --backend cupy --precision bf16 2>&1 | tee "$OUT/test_bf16.log" | tail -32 ;;
+  bench)
+    timeout 300 python3 bench/gpu_step.py --model d12 -b 64 -t 1024 --steps 8 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+  train)   # the same tiny-Shakespeare run on GPU (fp32, bf16) and CPU: the loss curves must agree
+    common="-e d6 -b 8 -t 256 -l 3e-4 -x 20 -v 10 -m 4 -s 0 $TS"
+    timeout 200 python3 train_gpt2.py $common --backend cupy --precision fp32 -f 0 2>&1 | tee "$OUT/train_fp32.log" | grep -E "^step|val loss" | tail -8
+    timeout 200 python3 train_gpt2.py $common --backend cupy --precision bf16 2>&1 | tee "$OUT/train_bf16.log" | grep -E "^step|val loss" | tail -8
+    timeout 300 python3 train_gpt2.py $common --backend numpy 2>&1 | tee "$OUT/train_numpy.log" | grep -E "^step|val loss" | tail -8 ;;
+  mpi)     # two ranks on one GPU (MPI fallback) against one rank; one rank through NCCL
+    common="-e d6 -b 4 -t 256 -d 2048 -l 3e-4 -x 10 -v 100 -m 2 -s 0 -z 1 $TS --backend cupy --precision fp32 -f 0"
+    timeout 200 python3 train_gpt2.py $common 2>&1 | tee "$OUT/np1.log" | grep -E "^step" | tail -3
+    timeout 200 $MPIRUN -np 2 python3 train_gpt2.py $common 2>&1 | tee "$OUT/np2.log" | grep -E "falling back|^step|Zero|allocated" | tail -12
+    timeout 200 python3 train_gpt2.py $common --comm nccl 2>&1 | tee "$OUT/nccl1.log" | grep -E "communicator|^step" | tail -4 ;;
+  ckpt)    # a bf16 checkpoint written on the GPU gives the same val loss on the CPU, and the reverse
+    rm -rf /tmp/ck_gpu /tmp/ck_cpu
+    timeout 200 python3 train_gpt2.py -e d6 -b 8 -t 256 -x 5 -n 5 -o /tmp/ck_gpu -v 5 -m 4 -s 0 $TS --backend cupy 2>&1 | grep "val loss" | tail -1
+    timeout 200 python3 train_gpt2.py -e /tmp/ck_gpu/model_00000005.bin -b 8 -t 256 -x 1 -v 1 -m 4 -s 0 $TS --backend numpy -l 0 2>&1 | grep "val loss" | head -1
+    timeout 200 python3 train_gpt2.py -e d6 -b 8 -t 256 -x 5 -n 5 -o /tmp/ck_cpu -v 5 -m 4 -s 0 $TS --backend numpy 2>&1 | grep "val loss" | tail -1
+    timeout 200 python3 train_gpt2.py -e /tmp/ck_cpu/model_00000005.bin -b 8 -t 256 -x 1 -v 1 -m 4 -s 0 $TS --backend cupy -l 0 2>&1 | grep "val loss" | head -1 ;;
+  esac
+done
