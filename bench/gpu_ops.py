@@ -56,8 +56,8 @@ def main():
     N = B * T
     rng = cupy.random.default_rng(0)
 
-    def act(*shape, dtype=None):
-        return rng.standard_normal(shape, dtype=np.float32).astype(dtype or be.dtype)
+    def act(*shape, dtype=None, scale=1.0):
+        return (scale * rng.standard_normal(shape, dtype=np.float32)).astype(dtype or be.dtype)
 
     x, dx, out = act(B, T, C), act(B, T, C), act(B, T, C)
     h, dh = act(B, T, 4 * C), act(B, T, 4 * C)
@@ -65,13 +65,13 @@ def main():
     mean, rstd = act(B, T, dtype=np.float32), act(B, T, dtype=np.float32)
     inp = rng.integers(0, V, (B, T), dtype=np.int32)
     targets = rng.integers(0, V, (B, T), dtype=np.int32)
-    wte, dwte, wpe, dwpe = act(Vp, C) * 0.02, act(Vp, C), act(T, C), act(T, C)
+    wte, dwte, wpe, dwpe = act(Vp, C, scale=0.02), act(Vp, C), act(T, C), act(T, C)
     qkv, dqkv = act(B, T, 3 * C), act(B, T, 3 * C)
     shape, dtype = be.attention_saved_shape(B, T, NH)
     att = cupy.empty(shape, dtype)
     logits = act(B, T, Vp)
     losses = cupy.empty((B, T), np.float32)
-    params, grads = act(num_params) * 0.02, act(num_params) * 1e-3
+    params, grads = act(num_params, scale=0.02), act(num_params, scale=1e-3)
     m, v = cupy.zeros(num_params, np.float32), cupy.zeros(num_params, np.float32)
     master = params.astype(np.float32) if be.master_weights else None
 
@@ -91,7 +91,7 @@ def main():
                                     ("fcproj", 4 * C, C, L), ("lm_head", C, Vp, 1)):
         a, da = act(B, T, cin), act(B, T, cin)
         y, dy = act(B, T, cout), act(B, T, cout)
-        w, dw = act(cout, cin) * 0.02, act(cout, cin)
+        w, dw = act(cout, cin, scale=0.02), act(cout, cin)
         bias, dbias = (act(cout), act(cout)) if label != "lm_head" else (None, None)
         mm_bytes = (N * cin + cin * cout + N * cout) * s
         bench(f"matmul_forward {label}", lambda: be.matmul_forward(y, a, w, bias), mm_bytes,

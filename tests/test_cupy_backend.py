@@ -241,6 +241,7 @@ def test_sumsq_is_float32_deterministic_and_takes_unaligned_segments(gpu):
     expected = float(np.sum(x[3:].astype(np.float64) ** 2))
     assert abs(float(total) - expected) / expected < 1e-5
     assert float(gpu.sumsq(segment)) == float(total)
+    assert float(gpu.sumsq(xg[3:8])) == pytest.approx(float(np.sum(x[3:8].astype(np.float64) ** 2)), rel=1e-6)
     print(f"sumsq                {gpu.precision}: {abs(float(total) - expected) / expected:.2e}")
 
 

@@ -1,15 +1,21 @@
 // The squared global gradient norm: sum of x^2 in float over a 1-D array, in two deterministic stages.
 #include "common.cuh"
 
-// Stage 1: gridDim.x blocks stride over x, thread i taking elements i, i + gridDim.x * blockDim.x, ...
-// (element-wise loads: the array may start anywhere). Each block writes the sum of its threads' sums
-// to partial[blockIdx.x].
+// Stage 1: gridDim.x blocks stride over x, thread i taking packs i, i + gridDim.x * blockDim.x, ...
+// The array may start anywhere (a ZeRO shard), so the elements before its first 16-byte boundary and
+// those after its last whole pack are read one at a time. Each block writes the sum of its threads'
+// sums to partial[blockIdx.x].
 extern "C" __global__ void sumsq_partial(float* partial, const floatX* x, long long n) {
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    const long long head = min(n, (long long)((16 - (size_t)x % 16) % 16 / sizeof(floatX)));
+    const long long packs = (n - head) / PACK, tail = head + packs * PACK;
     float acc = 0.0f;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float v = (float)x[i];
-        acc += v * v;
+    for (long long p = tid; p < packs; p += stride) {
+        const Pack v = load_pack(x + head + p * PACK);
+        for (int i = 0; i < PACK; i++) acc += (float)v.v[i] * (float)v.v[i];
     }
+    for (long long i = tid; i < head; i += stride) acc += (float)x[i] * (float)x[i];
+    for (long long i = tail + tid; i < n; i += stride) acc += (float)x[i] * (float)x[i];
     acc = block_sum(acc);
     if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
