@@ -164,3 +164,11 @@ def test_grad_norm_outliers_are_skipped_once_the_window_fills(shards):
     # the window fills at step 129: no step before it is skipped (a skip is reported before its step line)
     assert "skipping update" not in out.split(lines[127])[0]
     assert 1 <= out.count("skipping update due to grad z-score") <= 135 - 128
+
+
+def test_gradient_accumulation_equals_one_big_batch(shards):
+    big = step_losses(run_train(TINY[:2] + ["-b", "6"] + TINY[4:] + data_args() + ["-x", "4"], cwd=shards).stdout)
+    accumulated = run_train(TINY[:2] + ["-b", "2"] + TINY[4:] + data_args() + ["-x", "4", "-d", str(6 * 32)],
+                            cwd=shards).stdout
+    assert "=> setting grad_accum_steps=3" in accumulated
+    np.testing.assert_allclose([float(x) for x in step_losses(accumulated)], [float(x) for x in big], rtol=1e-5)
