@@ -159,9 +159,10 @@ def main(argv):
         raise UsageError(f"-z {args['z']}: only ZeRO stages 0 and 1 exist here")
     if args["v"] <= 0:
         raise UsageError("-v must be positive (val loss every N steps)")
-    if args["r"] != 1 or backend.name == "numpy" and args["f"] != 1:
-        log0(f"note: -r {args['r']} / -f {args['f']} have no effect here: every activation is kept, "
-             "and TF32 applies to fp32 on the GPU only")
+    if args["r"] != 1:
+        log0(f"note: -r {args['r']} has no effect: this trainer keeps every activation, it never recomputes")
+    if args["f"] != 1 and not (backend.name == "cupy" and backend.precision == "fp32"):
+        log0(f"note: -f {args['f']} has no effect: TF32 applies to fp32 matmuls on the GPU only")
 
     model = build_model(args, backend, comm)
     config = model.config

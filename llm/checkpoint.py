@@ -45,7 +45,8 @@ def save(out_dir, step, model, optimizer, loader, comm):
         formats.write_model(model_path(out_dir, step), model.config, params, version=version)
         print(f"Writing state to {state_path(out_dir, step)}")
         formats.write_state(state_path(out_dir, step), step=step, num_processes=comm.world_size,
-                            rng_state=0, loader_state=loader.state(), m=m, v=v, master=master,
+                            rng_state=0,  # training draws no random numbers: nothing to restore
+                            loader_state=loader.state(), m=m, v=v, master=master,
                             should_shuffle=loader.shuffle)
     comm.barrier()
     if comm.rank == 0:
