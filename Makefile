@@ -36,7 +36,7 @@ test: setup
 	$(PY) test_gpt2.py
 
 bench: setup
-	$(PY) bench/cpu_step.py
+	$(PY) bench/step.py --backend numpy
 
 clean:
 	rm -rf $(VENV) data/tinyshakespeare log_train

@@ -18,7 +18,10 @@ from llm.backends import get_backend
 from llm.comm import SingleComm
 from llm.config import GPT2Config
 from llm.layout import PARAM_NAMES, ParamViews
-from llm.model import GPT2, init_params
+from llm.model import GPT2
+from llm.outliers import UpdateGuard
+from llm.step import train_step
+from llm.weight_init import init_params
 from llm.zero import ZeroOptimizer
 from reference import gpt2 as ref
 
@@ -59,24 +62,19 @@ def reference_run(config, params, x, y, steps):
 
 
 def trainer_run(config, params, x, y, steps, backend):
-    """The same on llm/: the trainer's model, optimizer and ZeRO path with a single process."""
+    """The same on llm/: the trainer's model, optimizer and training step, with a single process."""
     model = GPT2(config, backend)
     model.load_params(params)
     optimizer = ZeroOptimizer(model, SingleComm(), zero_stage=0, weight_decay=0.0)
-    B, T = x.shape
+    guard = UpdateGuard()
+    logits = backend.to_numpy(model.forward(x)).astype(np.float32)   # step 0's logits, read before training
     losses = []
     for step in range(steps):
-        model.zero_grad()
-        if step == 0:   # read the logits before the training forward turns them into dlogits
-            logits = backend.to_numpy(model.forward(x)).astype(np.float32)
-        loss = float(model.forward(x, y, dloss=1.0 / (B * T)).mean())
-        model.backward()
-        if step == 0:
-            first = (logits, loss, ParamViews(model.grads_numpy(), config))
-        losses.append(loss)
-        norm = optimizer.grad_norm()
-        optimizer.step(LR, step + 1, 1.0 / norm if norm > 1.0 else 1.0)
-        print(f"step {step + 1}: loss {loss:f}")
+        result = train_step(model, optimizer, [(x, y)], LR, step + 1, guard)
+        if step == 0:   # the gradients stay in place after the update, until the next step zeroes them
+            first = (logits, result.loss, ParamViews(model.grads_numpy(), config))
+        losses.append(result.loss)
+        print(f"step {step + 1}: loss {result.loss:f}")
     return first, losses
 
 
@@ -111,16 +109,16 @@ def main():
     parser = argparse.ArgumentParser(description="Check llm/'s GPT-2 against reference/ or llm.c's debug state.")
     parser.add_argument("-e", help="llm.c model checkpoint (.bin) to test with; needs -ds")
     parser.add_argument("-ds", help="llm.c debug state file (x, y, logits, loss, grads from PyTorch)")
-    parser.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
-    parser.add_argument("--precision", default=None, choices=["fp32", "bf16"],
-                        help="default: fp32 (numpy), bf16 (cupy)")
+    parser.add_argument("--backend", default="auto", choices=["numpy", "cupy", "auto"],
+                        help="default: cupy when a GPU is usable, else numpy")
+    parser.add_argument("--precision", default="auto", choices=["fp32", "bf16", "auto"],
+                        help="default: bf16 on cupy, fp32 on numpy")
     parser.add_argument("--model", default="d2c64h4", help="descriptor of the random model (default d2c64h4)")
     args = parser.parse_args()
-    precision = args.precision or ("bf16" if args.backend == "cupy" else "fp32")
     if bool(args.e) != bool(args.ds):
         parser.error("-e and -ds go together")
     try:
-        backend = get_backend(args.backend, precision, allow_tf32=False)   # fp32 means fp32 here
+        backend = get_backend(args.backend, args.precision, allow_tf32=False)   # fp32 means fp32 here
         if args.e:
             config, params, _ = formats.read_model(args.e)
             state = formats.read_debug_state(args.ds, config)
@@ -133,7 +131,7 @@ def main():
             x = rng.integers(0, config.vocab_size, (4, 32), dtype=np.int32)
             y = rng.integers(0, config.vocab_size, (4, 32), dtype=np.int32)
             print(f"[testing {args.model} ({config.num_parameters} parameters), B=4 T=32, "
-                  f"{args.backend} {precision} vs reference/ in float64]")
+                  f"{backend.name} {backend.precision} vs reference/ in float64]")
     except (formats.FormatError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -145,8 +143,8 @@ def main():
         want_losses = LLMC_LOSSES if is_gpt2_124m else reference_run(config, params, x, y, STEPS)[1]
     else:
         want, want_losses = reference_run(config, params, x, y, STEPS)
-    tolerance = "bf16" if precision == "bf16" else "llmc" if args.e else "gpu_fp32" if args.backend == "cupy" \
-        else "fp32"
+    tolerance = "bf16" if backend.precision == "bf16" else "llmc" if args.e else \
+        "gpu_fp32" if backend.name == "cupy" else "fp32"
     okay = compare(config, got, want, got_losses, want_losses, tolerance)
     print(f"overall okay: {int(okay)}")
     return 0 if okay else 1

@@ -3,27 +3,28 @@
   python train_gpt2.py -e d12 -b 4 -t 64                   one process (CPU, or GPU with --backend cupy)
   mpirun -np 2 python train_gpt2.py -e d12 -z 1            two ranks, ZeRO stage 1
 
-One step reads top to bottom in main(): data, forward, backward, reduce, clip, update, gather, log.
+main() reads top to bottom as llm.c's: build, print the configuration, then per step: validate, eval,
+sample, checkpoint, and one training step (llm/step.py: forward, backward, reduce, norm, clip, update, gather).
 """
-import math
 import os
 import sys
 import time
 import traceback
 
-import numpy as np
-
-from llm import checkpoint, formats
-from llm.backends import get_backend
+from llm import checkpoint, formats, report
+from llm.backends import get_backend, resolve
 from llm.comm import launched_world_size, make_comm
-from llm.config import ConfigError, GPT2Config
+from llm.config import GPT2_EOT, ConfigError, GPT2Config
 from llm.data import DataError, DataLoader, EvalLoader, score
 from llm.formats import FormatError
-from llm.model import GPT2, init_params
-from llm.optim import LRScheduler, OutlierDetector, clip_scale
+from llm.model import GPT2
+from llm.outliers import UpdateGuard
 from llm.sample import generate
+from llm.schedulers import LRScheduler
+from llm.step import train_step
 from llm.tokenizer import TokenizerError, TokenizerFile
-from llm.zero import ZeroOptimizer, padded_size
+from llm.weight_init import init_params
+from llm.zero import ZeroOptimizer
 
 HELLASWAG_PATH = "data/hellaswag/hellaswag_val.bin"
 TOKENIZER_PATH = "gpt2_tokenizer.bin"
@@ -87,92 +88,69 @@ def parse_args(argv):
             args[flag] = kind(value)
         except ValueError:
             raise UsageError(f"flag {flag} needs {kind.__name__} value, got '{value}'") from None
-    return {flag.lstrip("-"): value for flag, value in args.items()}
+    args = {flag.lstrip("-"): value for flag, value in args.items()}
+    if args["comm"] not in ("auto", "nccl"):
+        raise UsageError(f"--comm {args['comm']}: use auto, or nccl with the cupy backend")
+    if args["z"] not in (0, 1):
+        raise UsageError(f"-z {args['z']}: only ZeRO stages 0 and 1 exist here")
+    if args["v"] <= 0:
+        raise UsageError("-v must be positive (val loss every N steps)")
+    return args
 
 
-# ---- printing in llm.c's table style ----
-def row(name, value):
-    return f"| {name:<21} | {value:<50} |"
-
-
-BORDER = "+" + "-" * 23 + "+" + "-" * 52 + "+"
-
-
-def wide_row(text):
-    return f"| {text:<74} |"
-
-
-def choose_backend(args):
-    name, precision = args["backend"], args["precision"]
-    if name == "auto":
-        try:
-            import cupy
-            name = "cupy" if cupy.cuda.runtime.getDeviceCount() > 0 else "numpy"
-        except Exception:
-            name = "numpy"
-    if precision == "auto":
-        precision = "bf16" if name == "cupy" else "fp32"
-    if name not in ("numpy", "cupy"):
-        raise UsageError(f"--backend must be numpy, cupy or auto, not '{name}'")
-    if precision not in ("fp32", "bf16"):
-        raise UsageError(f"--precision must be fp32 or bf16, not '{precision}'")
-    if name == "numpy" and precision != "fp32":
-        raise UsageError("the numpy backend computes in fp32 only: use --precision fp32 or --backend cupy")
-    return name, precision
-
-
-def peak_flops(backend):
-    """Dense peak FLOP/s of the device for MFU, or None where unknown (the CPU, unlisted GPUs)."""
-    if backend.name != "cupy":
-        return None
-    name = backend.device_name()
-    table = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # dense bf16 with fp32 accumulate
-    for key, bf16 in table.items():
-        if key in name:
-            return bf16 if backend.precision == "bf16" else bf16 / 2   # fp32 runs on TF32 units
-    return None
-
-
-def build_model(args, backend, comm):
-    """The model from a checkpoint file or a descriptor, with buffers padded for ZeRO."""
+def build_model(args, backend):
+    """The model from a checkpoint file or a descriptor (llm.c's random init)."""
     source = args["e"]
     if source.endswith(".bin"):
         config, params, _ = formats.read_model(source)
     else:
         config = GPT2Config.from_descriptor(source)
         params = init_params(config)
-    model = GPT2(config, backend, padded_size(config.num_parameters, comm.world_size, args["z"]))
+    model = GPT2(config, backend)
     model.load_params(params)
     return model
 
 
+def val_loss(model, loader, steps, comm):
+    """Mean loss over `steps` batches from the start of the val split, averaged over ranks."""
+    loader.reset()
+    total = 0.0
+    for _ in range(steps):
+        total += float(model.validate(*loader.next_batch()).mean())
+    return comm.scalar_avg(total / steps)
+
+
+def hellaswag_correct(model, loader, comm):
+    """How many eval examples, over all ranks, have their lowest-loss completion as the right one."""
+    correct = 0
+    for inputs, targets, mask, labels, n_active in loader:
+        correct += score(model.backend.to_numpy(model.validate(inputs, targets)), mask, labels, n_active)
+    return int(comm.scalar_sum(correct))
+
+
 def main(argv):
     args = parse_args(argv)
-    backend_name, precision = choose_backend(args)
-    if args["comm"] not in ("auto", "nccl") or args["comm"] == "nccl" and backend_name != "cupy":
-        raise UsageError(f"--comm {args['comm']}: use auto, or nccl with the cupy backend")
+    backend_name, precision = resolve(args["backend"], args["precision"])
+    if args["comm"] == "nccl" and backend_name != "cupy":
+        raise UsageError("--comm nccl needs the cupy backend")
     comm = make_comm(gpu=backend_name == "cupy", force_nccl=args["comm"] == "nccl")
-    backend = get_backend(backend_name, precision, master_weights=bool(args["w"]), allow_tf32=bool(args["f"]))
+    backend = get_backend(backend_name, precision, allow_tf32=bool(args["f"]))
     log0 = print if comm.rank == 0 else (lambda *a, **k: None)
-    B, T, N = args["b"], args["t"], comm.world_size
-    if args["z"] not in (0, 1):
-        raise UsageError(f"-z {args['z']}: only ZeRO stages 0 and 1 exist here")
-    if args["v"] <= 0:
-        raise UsageError("-v must be positive (val loss every N steps)")
     if args["r"] != 1:
         log0(f"note: -r {args['r']} has no effect: this trainer keeps every activation, it never recomputes")
     if args["f"] != 1 and not (backend.name == "cupy" and backend.precision == "fp32"):
         log0(f"note: -f {args['f']} has no effect: TF32 applies to fp32 matmuls on the GPU only")
 
-    model = build_model(args, backend, comm)
+    # ---- the model, the data and the optimizer ----
+    model = build_model(args, backend)
     config = model.config
+    B, T, N = args["b"], args["t"], comm.world_size
     if T > config.max_seq_len:
         raise UsageError(f"-t {T} exceeds the model's max_seq_len {config.max_seq_len}")
     total_batch = args["d"] if args["d"] > 0 else B * T * N
     if total_batch % (B * T * N):
         raise UsageError(f"total batch size -d {total_batch} is not divisible by B*T*N = {B}*{T}*{N} = {B * T * N}")
     grad_accum = total_batch // (B * T * N)
-
     train_pattern = args["j"] if args["a"] else args["i"]
     train_loader = DataLoader(train_pattern, B, T, comm.rank, N, shuffle=not args["a"], vocab_size=config.vocab_size)
     val_loader = DataLoader(args["j"], B, T, comm.rank, N, shuffle=False, vocab_size=config.vocab_size)
@@ -180,62 +158,21 @@ def main(argv):
     val_steps = args["m"] if args["m"] > 0 else val_loader.num_samples // (B * N)
     run_hellaswag = bool(args["h"]) and os.path.exists(HELLASWAG_PATH)
     eval_loader = EvalLoader(HELLASWAG_PATH, B, T, comm.rank, N) if run_hellaswag else None
-
-    # ---- the configuration, as llm.c prints it ----
-    log0(BORDER + "\n" + row("Parameter", "Value") + "\n" + BORDER)
-    for name, value in [
-            ("train data pattern", train_pattern), ("val data pattern", args["j"]),
-            ("output log dir", args["o"] or "NULL"), ("checkpoint_every", args["n"]), ("resume", args["y"]),
-            ("micro batch size B", B), ("sequence length T", T), ("total batch size", total_batch),
-            ("LR scheduler", args["k"]), ("learning rate (LR)", f"{args['l']:e}"),
-            ("warmup iterations", args["u"]), ("final LR fraction", f"{args['q']:e}"),
-            ("weight decay", f"{args['c']:e}"), ("skip update lossz", f"{args['sl']:f}"),
-            ("skip update gradz", f"{args['sg']:f}"), ("max_steps", args["x"]), ("val_loss_every", args["v"]),
-            ("val_max_steps", args["m"]), ("sample_every", args["s"]), ("genT", args["g"]),
-            ("overfit_single_batch", args["a"]),
-            ("use_master_weights", "enabled" if backend.master_weights else "disabled"),
-            ("recompute", 0)]:
-        log0(row(name, value))
-    peak = peak_flops(backend)
-    log0(BORDER + "\n" + row("device", backend.device_name()) + "\n" +
-         row("peak TFlops", f"{peak / 1e12 if peak else -1.0:.1f}") + "\n" +
-         row("precision", backend.precision.upper()) + "\n" + BORDER)
-    for name, value in [("weight init method", args["e"] if args["e"].endswith(".bin") else f"random ({args['e']})"),
-                        ("max_sequence_length T", config.max_seq_len), ("vocab_size V", config.vocab_size),
-                        ("padded_vocab_size Vp", config.padded_vocab_size), ("num_layers L", config.num_layers),
-                        ("num_heads NH", config.num_heads), ("channels C", config.channels),
-                        ("num_parameters", config.num_parameters)]:
-        log0(row(name, value))
-    log0(BORDER + "\n" + row("train_num_batches", train_steps) + "\n" + row("val_num_batches", val_steps))
-    log0(BORDER + "\n" + row("run hellaswag", "yes" if run_hellaswag else "no") + "\n" + BORDER)
-    log0(wide_row("Zero Stage1 is enabled" if args["z"] == 1 else "Zero Optimization is disabled"))
-    log0(row("num_processes", N) + "\n" + row("zero_stage", args["z"]) + "\n" + row("communicator", comm.name)
-         + "\n" + BORDER)
+    optimizer = ZeroOptimizer(model, comm, args["z"], args["c"], master_weights=bool(args["w"]))
+    run = dict(train_pattern=train_pattern, total_batch=total_batch, train_steps=train_steps, val_steps=val_steps,
+               run_hellaswag=run_hellaswag, master_weights=optimizer.master is not None)
+    log0(report.config_tables(args, run, model, backend, comm))
     if args["h"] and not run_hellaswag:
         log0(f"HellaSwag eval not found at {HELLASWAG_PATH}, skipping its evaluation")
         log0("You can run `python data/hellaswag.py` to export and use it with `-h 1`.")
-
-    optimizer = ZeroOptimizer(model, comm, args["z"], args["c"])
-    param_bytes = config.num_parameters * np.dtype(backend.dtype).itemsize
-    log0(f"num_parameters: {config.num_parameters} => bytes: {param_bytes}")
-    log0(f"allocated {param_bytes >> 20} MiB for model parameters")
-    log0(f"batch_size B={B} * seq_len T={T} * num_processes={N} and total_batch_size={total_batch}")
-    log0(f"=> setting grad_accum_steps={grad_accum}")
-    log0(f"allocated {param_bytes >> 20} MiB for parameter gradients")
-    log0(f"allocated {model.activations(B, T).nbytes >> 20} MiB for activations")
-    log0(f"allocated {optimizer.m.nbytes >> 20} MiB for AdamW optimizer state m")
-    log0(f"allocated {optimizer.v.nbytes >> 20} MiB for AdamW optimizer state v")
-    if optimizer.master is not None:
-        log0(f"allocated {optimizer.master.nbytes >> 20} MiB for master copy of params")
-
+    log0(report.allocation_lines(model, optimizer, B, T, total_batch, grad_accum, N))
     tokenizer = TokenizerFile(TOKENIZER_PATH) if os.path.exists(TOKENIZER_PATH) else None
     if tokenizer is None:
         log0(f"WARNING: {TOKENIZER_PATH} not found: samples print as token ids "
              "(python data/tinyshakespeare.py writes it)")
 
     # ---- logging and resuming ----
-    out_dir, log_path = args["o"], None
-    start_step = 0
+    out_dir, log_path, start_step = args["o"], None, 0
     if out_dir:
         if comm.rank == 0:
             os.makedirs(out_dir, exist_ok=True)
@@ -243,8 +180,7 @@ def main(argv):
         log_path = os.path.join(out_dir, "main.log")
         if comm.rank == 0 and not args["y"]:
             open(log_path, "w").close()
-    if args["y"] and out_dir:
-        resume_step = checkpoint.latest_step(out_dir)
+        resume_step = checkpoint.latest_step(out_dir) if args["y"] else None
         if resume_step is not None:
             start_step = checkpoint.load(out_dir, resume_step, model, optimizer, train_loader)
             log0(f"resuming from checkpoint at step {start_step} in {out_dir}")
@@ -255,39 +191,25 @@ def main(argv):
                 f.write(line + "\n")
 
     scheduler = LRScheduler(args["k"], args["l"], args["u"], train_steps, args["q"])
-    loss_outliers, norm_outliers = OutlierDetector(), OutlierDetector()
-    flops_per_step = (6 * config.num_parameters + 6 * config.num_layers * config.channels * T) * B * T * grad_accum
-    ema_tok_s, total_ms = 0.0, 0.0
+    guard = UpdateGuard(args["sl"], args["sg"])
+    throughput = report.Throughput(total_batch, config.flops_per_token(T) * B * T * grad_accum, backend.peak_flops())
 
     for step in range(start_step, train_steps + 1):
         last_step = step == train_steps
-
-        # ---- validation, eval and sampling ----
         if step % args["v"] == 0 or last_step:
-            val_loader.reset()
-            val_loss = 0.0
-            for _ in range(val_steps):
-                x, y = val_loader.next_batch()
-                val_loss += float(model.forward(x, y).mean())
-            val_loss = comm.scalar_avg(val_loss / val_steps)
-            log0(f"val loss {val_loss:f}")
-            log(f"s:{step} tel:{val_loss:.4f}")
+            loss = val_loss(model, val_loader, val_steps, comm)
+            log0(f"val loss {loss:f}")
+            log(f"s:{step} tel:{loss:.4f}")
         if eval_loader is not None and (step > 0 and step % args["v"] == 0 or last_step):
-            correct = 0
-            for x, y, mask, labels, n_active in eval_loader:
-                losses = backend.to_numpy(model.forward(x, y))
-                correct += score(losses, mask, labels, n_active)
-            correct = comm.scalar_sum(correct)
+            correct = hellaswag_correct(model, eval_loader, comm)
             accuracy = correct / eval_loader.num_examples
-            log0(f"HellaSwag: {int(correct)}/{eval_loader.num_examples} = {accuracy:f}")
+            log0(f"HellaSwag: {correct}/{eval_loader.num_examples} = {accuracy:f}")
             log(f"s:{step} eval:{accuracy:.4f}")
         if comm.rank == 0 and args["s"] > 0 and (step > 0 and step % args["s"] == 0 or last_step):
-            tokens = generate(model, eot=formats.GPT2_EOT, gen_tokens=args["g"], max_T=T)
+            tokens = generate(model, eot=GPT2_EOT, gen_tokens=args["g"], max_T=T)
             text = tokenizer.decode(tokens) if tokenizer else " ".join(map(str, tokens))
             print(f"generating:\n---\n{text}\n---")
-
-        # ---- checkpoint ----
-        # (never at the step a run starts or resumes from: that state is already on disk or trivial)
+        # a checkpoint, but never at the step a run starts or resumes from: that state is on disk or trivial
         if out_dir and args["n"] > 0 and step > start_step and (step % args["n"] == 0 or last_step):
             log0(f"Writing checkpoint at step {step}")
             checkpoint.save(out_dir, step, model, optimizer, train_loader, comm)
@@ -297,47 +219,22 @@ def main(argv):
         if last_step:
             break
 
-        # ---- one training step: micro-steps, reduce, clip, update, gather ----
         t0 = time.perf_counter()
-        model.zero_grad()
         if args["a"]:
             train_loader.reset()   # overfit a single batch: the same batch every step
-        loss_sum = 0.0
-        for _ in range(grad_accum):
-            x, y = train_loader.next_batch()
-            losses = model.forward(x, y, dloss=1.0 / (B * T * grad_accum))
-            loss_sum = loss_sum + losses.sum()   # stays on the device until the one sync below
-            model.backward()
-        loss = comm.scalar_avg(float(loss_sum)) / (B * T * grad_accum)
-        optimizer.reduce_gradients()
-        grad_norm = optimizer.grad_norm()
+        batches = [train_loader.next_batch() for _ in range(grad_accum)]
         lr = scheduler(step)
-        loss_z, norm_z = loss_outliers.update(loss), norm_outliers.update(grad_norm)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            log0(f"skipping update: non-finite loss {loss} or grad norm {grad_norm}")
-        elif args["sl"] and loss_z > args["sl"]:
-            log0(f"skipping update due to loss z-score of {loss_z:f}")
-        elif args["sg"] and norm_z > args["sg"]:
-            log0(f"skipping update due to grad z-score of {norm_z:f}")
-        else:
-            optimizer.step(lr, step + 1, clip_scale(grad_norm))
+        result = train_step(model, optimizer, batches, lr, step + 1, guard)
+        if result.skipped:
+            log0(result.skipped)
         backend.synchronize()
         ms = (time.perf_counter() - t0) * 1000
+        tok_s, mfu = throughput.update(ms)
+        log0(report.step_line(step, train_steps, result, lr, ms, mfu, tok_s, backend.precision))
+        log(f"s:{step} trl:{result.loss:.4f} lr:{lr:.6f} norm:{result.grad_norm:.2f}")
 
-        tok_s = total_batch / ms * 1000   # an EMA from the second step on, bias-corrected, as llm.c
-        if step > start_step:
-            ema_tok_s = 0.95 * ema_tok_s + 0.05 * tok_s
-            tok_s = ema_tok_s / (1 - 0.95 ** (step - start_step))
-        mfu = flops_per_step / (ms / 1000) / peak if peak else -1.0
-        if step > start_step:
-            total_ms += ms
-        log0(f"step {step + 1:4d}/{train_steps} | loss {loss:7.6f} ({loss_z:+.2f}z)| norm {grad_norm:6.4f} "
-             f"({norm_z:+.2f}z)| lr {lr:.2e} | {ms:.2f} ms | {100 * mfu:.1f}% {backend.precision} MFU | "
-             f"{tok_s:.0f} tok/s")
-        log(f"s:{step} trl:{loss:.4f} lr:{lr:.6f} norm:{grad_norm:.2f}")
-
-    if train_steps - start_step > 1:
-        log0(f"total average iteration time: {total_ms / (train_steps - start_step - 1):f} ms")
+    if throughput.average_ms() is not None:
+        log0(f"total average iteration time: {throughput.average_ms():f} ms")
 
 
 def fail(message):

@@ -22,7 +22,7 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     timeout 150 python3 test_gpt2.py --backend cupy --precision fp32 2>&1 | tee "$OUT/test_fp32.log" | tail -32
     timeout 150 python3 test_gpt2.py --backend cupy --precision bf16 2>&1 | tee "$OUT/test_bf16.log" | tail -32 ;;
   bench)
-    timeout 300 python3 bench/gpu_step.py --model d12 -b 64 -t 1024 --steps 8 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    timeout 300 python3 bench/step.py --backend cupy --model d12 -b 64 -t 1024 --steps 8 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
   train)   # the same tiny-Shakespeare run on GPU (fp32, bf16) and CPU: the loss curves must agree
     common="-e d6 -b 8 -t 256 -l 3e-4 -x 20 -v 10 -m 4 -s 0 $TS"
     timeout 200 python3 train_gpt2.py $common --backend cupy --precision fp32 -f 0 2>&1 | tee "$OUT/train_fp32.log" | grep -E "^step|val loss" | tail -8

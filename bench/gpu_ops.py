@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cupy  # noqa: E402
 
 from llm.backends.cupy_backend import CupyBackend  # noqa: E402
+from llm.config import GPT2Config  # noqa: E402
 
 SPIN = r'''
 extern "C" __global__ void spin(long long cycles) {
@@ -51,7 +52,7 @@ def main():
 
     be = CupyBackend(args.precision)
     B, T, C, NH, V, Vp, L = args.B, 1024, 768, 12, 50257, 50304, 12
-    num_params = Vp * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+    num_params = GPT2Config().num_parameters   # d12
     s = be.dtype.itemsize
     N = B * T
     rng = cupy.random.default_rng(0)
@@ -73,7 +74,7 @@ def main():
     losses = cupy.empty((B, T), np.float32)
     params, grads = act(num_params, scale=0.02), act(num_params, scale=1e-3)
     m, v = cupy.zeros(num_params, np.float32), cupy.zeros(num_params, np.float32)
-    master = params.astype(np.float32) if be.master_weights else None
+    master = params.astype(np.float32) if be.precision == "bf16" else None
 
     spin = cupy.RawKernel(SPIN, "spin")
     rows = []   # (name, ms, bytes, flops, count per step)

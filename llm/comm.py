@@ -5,15 +5,14 @@
   NCCLComm     several processes, one GPU each, through cupy.cuda.nccl on device arrays
 
 Every communicator offers, on contiguous 1-D buffers:
-  all_reduce_sum(buf), all_reduce_avg(buf)   in place
+  all_reduce_avg(buf)                        in place
   reduce_scatter_avg(flat, shard)            shard (len S) = average over ranks of flat[rank*S:(rank+1)*S];
                                              shard may be that very slice of flat
   all_gather(shard, flat)                    flat[r*S:(r+1)*S] = rank r's shard; shard may be its own slice
-  broadcast(buf, root=0), barrier(), scalar_sum(x) -> float, scalar_avg(x) -> float, abort()
+  barrier(), scalar_sum(x) -> float, scalar_avg(x) -> float
 The model and the optimizer never ask which one they hold.
 """
 import os
-import sys
 
 import numpy as np
 
@@ -40,9 +39,6 @@ class SingleComm:
     rank, world_size, local_rank = 0, 1, 0
     name = "single process"
 
-    def all_reduce_sum(self, buf):
-        pass
-
     def all_reduce_avg(self, buf):
         pass
 
@@ -54,9 +50,6 @@ class SingleComm:
         if _ptr(shard) != _ptr(flat):
             flat[:shard.size] = shard
 
-    def broadcast(self, buf, root=0):
-        pass
-
     def barrier(self):
         pass
 
@@ -65,9 +58,6 @@ class SingleComm:
 
     def scalar_avg(self, x):
         return float(x)
-
-    def abort(self, code=1):
-        sys.exit(code)
 
 
 class MPIComm:
@@ -107,11 +97,6 @@ class MPIComm:
         else:
             buf[...] = host
 
-    def all_reduce_sum(self, buf):
-        host = self._to_host(buf)
-        self.comm.Allreduce(self.MPI.IN_PLACE, host, op=self.MPI.SUM)
-        self._from_host(buf, host)
-
     def all_reduce_avg(self, buf):
         host = self._to_host(buf)
         self.comm.Allreduce(self.MPI.IN_PLACE, host, op=self.MPI.SUM)
@@ -132,11 +117,6 @@ class MPIComm:
         self.comm.Allgather(self.MPI.IN_PLACE, host)    # each rank's part is taken from its own slot
         self._from_host(flat, host)
 
-    def broadcast(self, buf, root=0):
-        host = self._to_host(buf, raw=True)
-        self.comm.Bcast(host, root=root)
-        self._from_host(buf, host)
-
     def barrier(self):
         self.comm.Barrier()
 
@@ -145,11 +125,6 @@ class MPIComm:
 
     def scalar_avg(self, x):
         return self.scalar_sum(x) / self.world_size
-
-    def abort(self, code=1):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.comm.Abort(code)
 
 
 class NCCLComm:
@@ -175,10 +150,6 @@ class NCCLComm:
     def _stream(self):
         return self.cupy.cuda.get_current_stream().ptr
 
-    def all_reduce_sum(self, buf):
-        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), self.nccl.NCCL_SUM,
-                            self._stream())
-
     def all_reduce_avg(self, buf):
         self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), self.nccl.NCCL_AVG,
                             self._stream())
@@ -190,9 +161,6 @@ class NCCLComm:
     def all_gather(self, shard, flat):
         self.comm.allGather(shard.data.ptr, flat.data.ptr, shard.size, self._dtype(flat), self._stream())
 
-    def broadcast(self, buf, root=0):
-        self.comm.broadcast(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), root, self._stream())
-
     def barrier(self):
         self.cupy.cuda.get_current_stream().synchronize()
         self.mpi.barrier()
@@ -202,10 +170,6 @@ class NCCLComm:
 
     def scalar_avg(self, x):
         return self.mpi.scalar_avg(float(x))
-
-    def abort(self, code=1):
-        self.comm.abort()
-        self.mpi.abort(code)
 
 
 def make_comm(gpu=False, force_nccl=False):

@@ -10,6 +10,7 @@ import re
 
 GPT2_VOCAB = 50257      # V: the real vocabulary
 GPT2_PADDED = 50304     # Vp: V rounded up to a multiple of 128, so the lm_head matmul tiles well
+GPT2_EOT = 50256        # <|endoftext|>: the last token of GPT-2's vocabulary, which separates documents
 GPT2_MAX_SEQ = 1024
 
 # depth -> (channels, heads), from llm.c's gpt2_set_hyperparameters
@@ -39,14 +40,15 @@ class GPT2Config:
             raise ConfigError(f"padded_vocab_size {self.padded_vocab_size} < vocab_size {self.vocab_size}")
 
     @property
-    def head_size(self):
-        return self.channels // self.num_heads
-
-    @property
     def num_parameters(self):
         """Vp*C + maxT*C + L*(12C^2 + 13C) + 2C: 124,475,904 for d12."""
         C, L = self.channels, self.num_layers
         return self.padded_vocab_size * C + self.max_seq_len * C + L * (12 * C * C + 13 * C) + 2 * C
+
+    def flops_per_token(self, T):
+        """llm.c's training FLOPs per token at sequence length T, for MFU: 6N for the forward and backward
+        matmuls over the N parameters, and 6LCT for attention's two (T, T) products per layer."""
+        return 6 * self.num_parameters + 6 * self.num_layers * self.channels * T
 
     @classmethod
     def from_descriptor(cls, desc):

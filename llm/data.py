@@ -21,8 +21,7 @@ import math
 import numpy as np
 
 from llm import formats
-from llm.config import GPT2_VOCAB
-from llm.formats import GPT2_EOT
+from llm.config import GPT2_EOT, GPT2_VOCAB
 
 
 class DataError(ValueError):

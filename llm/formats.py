@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from llm.config import ConfigError, GPT2Config
+from llm.config import GPT2_EOT, ConfigError, GPT2Config
 
 HEADER_INTS = 256
 HEADER_BYTES = 4 * HEADER_INTS
@@ -55,7 +55,6 @@ FORMAT_NAMES = {
 
 MODEL_VERSIONS = {MODEL_VERSION_FP32: "fp32", MODEL_VERSION_BF16: "bf16"}
 MODEL_DTYPES = {MODEL_VERSION_FP32: np.dtype("<f4"), MODEL_VERSION_BF16: np.dtype("<u2")}
-GPT2_EOT = 50256                  # the EOT id a version-1 tokenizer file implies
 EVAL_START = 65535                # marks the start of each example in an eval file
 EVAL_COMPLETIONS = 4              # HellaSwag: every example has 4 candidate endings
 MAX_SHARD_TOKENS = 2**31 - 1      # ntok lives in an int32 slot
@@ -206,9 +205,8 @@ def write_model(path, config, params, version=MODEL_VERSION_FP32):
             _write_array(f, params, "<f4")
 
 
-@contextmanager
-def _open_model(path):
-    """Open a model checkpoint, check its header and size; yield (f, config, version)."""
+def read_model(path):
+    """-> (config, params, version); params is float32 (num_parameters,) whatever the file's version."""
     with open_llmc(path, MODEL_MAGIC, MODEL_VERSIONS) as (f, header, payload_bytes):
         maxT, V, L, NH, C, Vp = (int(s) for s in header[2:8])
         try:
@@ -219,19 +217,7 @@ def _open_model(path):
         version = int(header[1])
         n = config.num_parameters
         check_payload_size(path, payload_bytes, n * MODEL_DTYPES[version].itemsize, f"{n} parameters")
-        yield f, config, version
-
-
-def read_model_header(path):
-    """-> (config, version), reading only the header (the file size is still checked)."""
-    with _open_model(path) as (_, config, version):
-        return config, version
-
-
-def read_model(path):
-    """-> (config, params, version); params is float32 (num_parameters,) whatever the file's version."""
-    with _open_model(path) as (f, config, version):
-        params = np.fromfile(f, dtype=MODEL_DTYPES[version], count=config.num_parameters)
+        params = np.fromfile(f, dtype=MODEL_DTYPES[version], count=n)
     if version == MODEL_VERSION_BF16:
         params = bf16_bits_to_float32(params)
     return config, params, version

@@ -7,11 +7,10 @@ Matrices are (out_features, in_features), row-major, as torch's nn.Linear.weight
 """
 from math import prod
 
+from reference.gpt2 import WEIGHT_DECAY_NAMES   # the matrices: AdamW's weight decay applies to them only
+
 PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
                "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
-
-# AdamW's weight decay applies to the 2-D matrices only (embeddings included), as in llm.c.
-WEIGHT_DECAY_NAMES = frozenset(("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"))
 
 
 def param_shapes(config):

@@ -1,13 +1,16 @@
 """GPT-2: forward and backward over one flat parameter buffer, composed from a backend's layer ops.
 
 The model never asks which backend it runs on: every op is `self.backend.<op>` on the backend's arrays
-(see llm/backends/__init__.py for the contract). The order of ops is llm.c's gpt2_forward/gpt2_backward.
-"""
-import math
+(see llm/backends/__init__.py for the contract). The three entry points are llm.c's:
 
+  forward(inputs)            -> logits: the network up to the lm_head, and nothing else
+  backward(targets, dloss)   -> losses: the fused classifier (losses and dlogits in one pass), then the
+                                gradients of every layer, accumulated into grads
+  validate(inputs, targets)  -> losses: forward and the classifier's losses alone (llm.c's gpt2_validate)
+"""
 import numpy as np
 
-from .layout import ParamViews, param_offsets
+from .layout import ParamViews
 
 
 class Activations:
@@ -48,21 +51,33 @@ class Activations:
 
 
 class GPT2:
-    """GPT-2 with llm.c's flat buffers: params and grads are each one array; named views point into them.
+    """GPT-2 with llm.c's flat buffers: params and grads are each one array; named views point into them."""
 
-    flat_size may exceed num_parameters: ZeRO pads the buffers so that they divide by the number of ranks.
-    The padding is never read by the model."""
-
-    def __init__(self, config, backend, flat_size=None):
+    def __init__(self, config, backend):
         self.config, self.backend = config, backend
-        P = config.num_parameters
-        self.flat_size = flat_size or P
-        self.params_flat = backend.xp.zeros(self.flat_size, backend.dtype)
-        self.grads_flat = backend.xp.zeros(self.flat_size, backend.dtype)
-        self.params = ParamViews(self.params_flat[:P], config)
-        self.grads = ParamViews(self.grads_flat[:P], config)
+        self.params_flat = backend.xp.zeros(config.num_parameters, backend.dtype)
+        self.grads_flat = backend.xp.zeros(config.num_parameters, backend.dtype)
+        self._views()
         self._acts = {}        # (B, T) -> Activations
-        self._last = None      # (acts, inputs) of the last forward, for backward
+        self._pending = None   # (acts, inputs) of the last forward, which backward starts from
+
+    def _views(self):
+        P = self.config.num_parameters
+        self.params = ParamViews(self.params_flat[:P], self.config)
+        self.grads = ParamViews(self.grads_flat[:P], self.config)
+
+    def pad_flat(self, multiple):
+        """Grow params_flat and grads_flat with zeros to a multiple of `multiple` elements.
+
+        ZeRO-1 cuts the flat buffers into equal shards (llm/zero.py calls this); the model never reads
+        the padding."""
+        size = -(-self.config.num_parameters // multiple) * multiple
+        if size != self.params_flat.size:
+            for name in ("params_flat", "grads_flat"):
+                padded = self.backend.xp.zeros(size, self.backend.dtype)
+                padded[:self.config.num_parameters] = getattr(self, name)[:self.config.num_parameters]
+                setattr(self, name, padded)
+            self._views()
 
     # ---- parameters in and out (host float32, the checkpoint's layout) ----
     def load_params(self, flat):
@@ -85,15 +100,11 @@ class GPT2:
         return self._acts[(B, T)]
 
     # ---- forward ----
-    def forward(self, inputs, targets=None, dloss=None):
-        """Run the model on token ids `inputs` (B, T).
-
-        Returns the logits (B, T, Vp) when there are no targets, else the per-position losses (B, T) float32.
-        With dloss (training), the classifier also writes dlogits = dloss * (probs - onehot) over the
-        logits buffer in the same pass, as llm.c's fused classifier does; backward() starts from there."""
+    def forward(self, inputs):
+        """The logits (B, T, Vp) for token ids `inputs` (B, T); every activation is kept for backward()."""
         cfg, be, p = self.config, self.backend, self.params
         B, T = inputs.shape
-        L, NH, V = cfg.num_layers, cfg.num_heads, cfg.vocab_size
+        L, NH = cfg.num_layers, cfg.num_heads
         if T > cfg.max_seq_len:
             raise ValueError(f"sequence length T={T} exceeds the model's max_seq_len {cfg.max_seq_len}")
         a = self.activations(B, T)
@@ -113,27 +124,38 @@ class GPT2:
             be.residual_forward(a.residual3[l], a.residual2[l], a.fcproj[l])
         be.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], p.lnfw, p.lnfb)
         be.matmul_forward(a.logits, a.lnf, p.wte, None)   # the lm_head is tied to wte, no bias
-        self._last = None
-        if targets is None:
-            return a.logits
-        tgt = be.asarray(np.ascontiguousarray(targets, np.int32))
-        be.fused_classifier(a.logits, a.losses, tgt, V, dloss)
-        if dloss is not None:
-            self._last = (a, inp)
-        return a.losses
+        self._pending = (a, inp)
+        return a.logits
+
+    def validate(self, inputs, targets):
+        """Per-position losses (B, T) float32 of a forward on `inputs`; no gradient is computed."""
+        logits = self.forward(inputs)
+        self._pending = None   # nothing to backpropagate: the logits stay logits
+        losses = self.activations(*inputs.shape).losses
+        self.backend.fused_classifier(logits, losses, self._targets(targets), self.config.vocab_size, None)
+        return losses
+
+    def _targets(self, targets):
+        return self.backend.asarray(np.ascontiguousarray(targets, np.int32))
 
     # ---- backward ----
-    def backward(self):
-        """Accumulate (+=) the gradients of the last training forward into self.grads.
+    def backward(self, targets, dloss):
+        """Per-position losses (B, T) float32 of the last forward, and the gradients of sum(dloss * losses)
+        accumulated (+=) into self.grads.
 
-        The residual adds need no op of their own: the gradient of x + f(x) passes unchanged to both
-        branches, so one buffer, dresidual, carries the residual stream's gradient down the layers and
-        each layernorm backward adds its branch's share into it."""
-        if self._last is None:
-            raise RuntimeError("backward() needs a forward(inputs, targets, dloss) first")
+        dloss is each position's weight in the loss being minimised: 1 / (B * T * micro-steps) for the
+        mean over a batch. It starts with the fused classifier, which writes the losses and, over the
+        logits, dlogits = dloss * (probs - onehot) in one pass, as llm.c's. The residual adds need no op
+        of their own: the gradient of x + f(x) passes unchanged to both branches, so one buffer, dresidual,
+        carries the residual stream's gradient down the layers and each layernorm backward adds its
+        branch's share into it."""
+        if self._pending is None:
+            raise RuntimeError("backward() needs a forward(inputs) first")
         cfg, be, p, g = self.config, self.backend, self.params, self.grads
-        a, inp = self._last
+        a, inp = self._pending
+        self._pending = None
         L, NH = cfg.num_layers, cfg.num_heads
+        be.fused_classifier(a.logits, a.losses, self._targets(targets), cfg.vocab_size, dloss)
         be.matmul_backward(a.dln, g.wte, None, a.logits, a.lnf, p.wte)   # logits holds dlogits now
         a.dresidual.fill(0)
         be.layernorm_backward(a.dresidual, g.lnfw, g.lnfb, a.dln, a.residual3[L - 1], p.lnfw,
@@ -153,48 +175,4 @@ class GPT2:
             be.layernorm_backward(a.dresidual, g.ln1w[l], g.ln1b[l], a.dln, residual, p.ln1w[l],
                                   a.ln1_mean[l], a.ln1_rstd[l])
         be.encoder_backward(g.wte, g.wpe, a.dresidual, inp)
-        self._last = None
-
-
-# ---- llm.c's random init: torch.manual_seed(42) and normal_ in PyTorch's module order ----
-def _mt19937_uniforms(rng, n):
-    """n floats in [0, 1) as torch's uniform_real_distribution<float>: 24 random bits of one 32-bit draw."""
-    return (rng.randint(0, 2**32, size=n, dtype=np.uint32) & 0xFFFFFF).astype(np.float32) / np.float32(2**24)
-
-
-def _torch_normal(rng, n, std):
-    """torch's CPU normal_ for n >= 16: Box-Muller on blocks of 16 uniforms (first 8 with the last 8),
-    and when n % 16 != 0 the last 16 outputs are redrawn from 16 fresh uniforms."""
-    def fill16(u):   # u: (blocks, 16)
-        u1, u2 = 1 - u[:, :8], u[:, 8:]
-        radius = np.sqrt(-2 * np.log(u1 + np.float32(1e-12)))
-        theta = np.float32(2 * math.pi) * u2
-        return np.concatenate([radius * np.cos(theta), radius * np.sin(theta)], axis=1) * np.float32(std)
-    u = _mt19937_uniforms(rng, n)
-    out = fill16(u[:n // 16 * 16].reshape(-1, 16)).reshape(-1)
-    if n % 16:
-        out = np.concatenate([out, np.zeros(n % 16, np.float32)])
-        out[-16:] = fill16(_mt19937_uniforms(rng, 16).reshape(1, 16)).reshape(-1)
-    return out
-
-
-def init_params(config, seed=42):
-    """llm.c's init for descriptor models, as a host float32 flat array.
-
-    Weights ~ N(0, 0.02), the two residual projections (attprojw, fcprojw) ~ N(0, 0.02 / sqrt(2L)), layernorm
-    weights 1, biases 0, padded wte rows 0. Draws follow llm.c's order from one Mersenne Twister seeded like
-    torch.manual_seed(seed), so the values agree with llm.c's up to float32 rounding of log/cos/sin."""
-    rng = np.random.RandomState(seed)   # legacy seeding = MT19937 init_genrand(seed), as torch and llm.c
-    flat = np.zeros(config.num_parameters, np.float32)
-    p = ParamViews(flat, config)
-    L, V, C = config.num_layers, config.vocab_size, config.channels
-    residual_std = 0.02 / math.sqrt(2 * L)
-    for name in ("ln1w", "ln2w", "lnfw"):
-        getattr(p, name)[...] = 1.0
-    p.wte[:V] = _torch_normal(rng, V * C, 0.02).reshape(V, C)
-    p.wpe[...] = _torch_normal(rng, p.wpe.size, 0.02).reshape(p.wpe.shape)
-    for l in range(L):
-        for name, std in (("qkvw", 0.02), ("attprojw", residual_std), ("fcw", 0.02), ("fcprojw", residual_std)):
-            w = getattr(p, name)[l]
-            w[...] = _torch_normal(rng, w.size, std).reshape(w.shape)
-    return flat
+        return a.losses

@@ -11,6 +11,7 @@ import tiktoken
 import tiktoken.load
 
 from llm import formats
+from llm.config import GPT2_EOT
 
 # GPT-2's pre-tokenizer: contractions, letter runs, digit runs and other symbols (each with at most
 # one leading space), then whitespace. BPE merges happen only inside these pieces.
@@ -38,12 +39,12 @@ def get_encoding(vocab_path=None):
         raise TokenizerError(f"{vocab_path}: no such file: {NO_VOCAB_HINT}") from None
     except (OSError, ValueError) as e:
         raise TokenizerError(f"{vocab_path}: not a tiktoken ranks file ({e})") from None
-    if len(ranks) != formats.GPT2_EOT or max(ranks.values()) != formats.GPT2_EOT - 1:
-        raise TokenizerError(f"{vocab_path}: {len(ranks)} ranks, but GPT-2 has {formats.GPT2_EOT} "
-                             f"(ids 0..{formats.GPT2_EOT - 1})")
+    if len(ranks) != GPT2_EOT or max(ranks.values()) != GPT2_EOT - 1:
+        raise TokenizerError(f"{vocab_path}: {len(ranks)} ranks, but GPT-2 has {GPT2_EOT} "
+                             f"(ids 0..{GPT2_EOT - 1})")
     return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={ENDOFTEXT: formats.GPT2_EOT},
-                             explicit_n_vocab=formats.GPT2_EOT + 1)
+                             special_tokens={ENDOFTEXT: GPT2_EOT},
+                             explicit_n_vocab=GPT2_EOT + 1)
 
 
 class Tokenizer:

@@ -2,7 +2,8 @@
 
 -z 0  every rank keeps full m, v (and master weights); gradients are all-reduced (averaged) and every
       rank applies the same update to the whole buffer.
--z 1  the flat buffers are padded to a multiple of N and rank r owns the contiguous shard
+-z 1  the flat buffers are padded to a multiple of N (the optimizer pads the model's buffers itself) and
+      rank r owns the contiguous shard
       [r*S, (r+1)*S), S = ceil(P / N). It keeps m, v and the fp32 master weights for its shard only.
       Gradients are reduce-scattered (averaged) into the shard, the global norm is the square root of
       the all-reduced sum of the shards' squared norms, AdamW updates the shard (weight decay applied
@@ -13,37 +14,46 @@ The shard is cut from the flat buffer, as the original ZeRO-1 proposal for llm.c
 tensor and per layer as llm.c does today. One contiguous range means one reduce-scatter, one AdamW pass
 and one all-gather per step, and any N works: padding replaces llm.c's demand that N divide every
 tensor's per-layer size.
+
+The step's order, as llm.c's main loop: reduce_gradients, grad_norm, clip (clip_scale), update, gather_params.
+llm/step.py runs them.
 """
 import math
 
 import numpy as np
 
-from . import optim
 from .layout import decay_segments
 
+# AdamW's hyperparameters: llm.c's train_gpt2.cu hard-codes these at its AdamW call site
+BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
+GRAD_CLIP = 1.0   # the global gradient norm is clipped to this
 
-def padded_size(num_parameters, world_size, zero_stage):
-    """Length of the flat buffers: num_parameters, rounded up to a multiple of N under ZeRO-1."""
-    if zero_stage == 1:
-        return math.ceil(num_parameters / world_size) * world_size
-    return num_parameters
+
+def clip_scale(grad_norm, clip=GRAD_CLIP):
+    """The factor AdamW multiplies each gradient by so that the global norm is at most `clip`."""
+    return clip / grad_norm if grad_norm > clip else 1.0
 
 
 class ZeroOptimizer:
-    """AdamW over this rank's shard of the flat buffers, and the collectives around it."""
+    """AdamW over this rank's shard of the model's flat buffers, and the collectives around it.
 
-    def __init__(self, model, comm, zero_stage, weight_decay):
+    master_weights: keep an fp32 copy of this shard's parameters to update (llm.c's -w), when the
+    parameters themselves are stored in a narrower type (bf16); with fp32 parameters there is nothing to keep."""
+
+    def __init__(self, model, comm, zero_stage, weight_decay, master_weights=True):
         if zero_stage not in (0, 1):
             raise ValueError(f"ZeRO stage {zero_stage} is not supported: use -z 0 or -z 1")
         be, N = model.backend, comm.world_size
         self.model, self.comm, self.stage, self.weight_decay = model, comm, zero_stage, weight_decay
-        self.shard_size = model.flat_size // N if zero_stage == 1 else model.flat_size
+        if zero_stage == 1:
+            model.pad_flat(N)   # equal shards: the buffers must divide by N
+        self.shard_size = model.params_flat.size // N if zero_stage == 1 else model.params_flat.size
         self.lo = comm.rank * self.shard_size if zero_stage == 1 else 0
         self.hi = self.lo + self.shard_size
         self.m = be.xp.zeros(self.shard_size, np.float32)
         self.v = be.xp.zeros(self.shard_size, np.float32)
-        # the fp32 master copy of this shard's parameters, when the parameters themselves are bf16
-        self.master = be.xp.zeros(self.shard_size, np.float32) if be.master_weights else None
+        narrow = np.dtype(be.dtype).itemsize < 4
+        self.master = be.xp.zeros(self.shard_size, np.float32) if master_weights and narrow else None
         self.master_ready = False
         self.segments = [(lo - self.lo, hi - self.lo, decay)
                          for lo, hi, decay in decay_segments(model.config, self.lo, self.hi)]
@@ -68,8 +78,8 @@ class ZeroOptimizer:
         sumsq = float(self.model.backend.sumsq(self.grad_shard))
         return math.sqrt(self.comm.scalar_sum(sumsq) if self.stage == 1 else sumsq)
 
-    def step(self, lr, t, grad_scale):
-        """AdamW on this rank's shard (t is 1-based), then share the updated parameters."""
+    def update(self, lr, t, grad_scale):
+        """AdamW on this rank's shard, t the 1-based step, each gradient times grad_scale (the clipping)."""
         be = self.model.backend
         params, grads = self.param_shard, self.grad_shard
         if self.master is not None and not self.master_ready:
@@ -78,7 +88,10 @@ class ZeroOptimizer:
         for lo, hi, decay in self.segments:
             be.adamw(params[lo:hi], grads[lo:hi], self.m[lo:hi], self.v[lo:hi],
                      None if self.master is None else self.master[lo:hi],
-                     lr, optim.BETA1, optim.BETA2, optim.EPS, self.weight_decay if decay else 0.0, t, grad_scale)
+                     lr, BETA1, BETA2, EPS, self.weight_decay if decay else 0.0, t, grad_scale)
+
+    def gather_params(self):
+        """Bring every rank the parameters the others updated (-z 1; with -z 0 every rank has them all)."""
         if self.stage == 1:
             self.comm.all_gather(self.param_shard, self.model.params_flat)
 
@@ -92,7 +105,7 @@ class ZeroOptimizer:
                 out.append(None)
                 continue
             if self.stage == 1:
-                full = self.model.backend.xp.zeros(self.model.flat_size, np.float32)
+                full = self.model.backend.xp.zeros(self.model.params_flat.size, np.float32)
                 self.comm.all_gather(buf, full)
                 buf = full
             out.append(self.model.backend.to_numpy(buf[:P]).astype(np.float32))
@@ -104,7 +117,7 @@ class ZeroOptimizer:
         for dst, src in ((self.m, m), (self.v, v), (self.master, master)):
             if dst is None:
                 continue
-            full = np.zeros(self.model.flat_size, np.float32)
+            full = np.zeros(self.model.params_flat.size, np.float32)
             full[:P] = src if src is not None else self.model.params_numpy()
             dst[...] = be.asarray(full[self.lo:self.hi])
         if self.master is not None:

@@ -1,12 +1,12 @@
 """The reference GPT-2: llm.c's forward and backward composed from the layers, over a dict of arrays.
 
-params maps the 16 names of llm.layout.PARAM_NAMES to arrays of llm.layout.param_shapes(config); the
-per-layer tensors are stacked (L, ...), so layer l's ln1w is params["ln1w"][l]. Everything runs in the
-dtype of the arrays given (float64 for gradient checks, float32 to compare with the trainer).
+params maps llm.c's 16 names to arrays: wte (Vp, C), wpe (maxT, C), then per layer, stacked (L, ...) so that
+layer l's ln1w is params["ln1w"][l]: ln1w, ln1b (L, C), qkvw (L, 3C, C), qkvb (L, 3C), attprojw (L, C, C),
+attprojb (L, C), ln2w, ln2b (L, C), fcw (L, 4C, C), fcb (L, 4C), fcprojw (L, C, 4C), fcprojb (L, C); and
+lnfw, lnfb (C). Matrices are (out, in). config needs num_layers, num_heads and vocab_size. Everything runs
+in the dtype of the arrays given (float64 for gradient checks, float32 to compare with the trainer).
 """
 import numpy as np
-
-from llm.layout import WEIGHT_DECAY_NAMES
 
 from .adamw import adamw_update
 from .attention import attention_backward, attention_forward
@@ -16,6 +16,9 @@ from .gelu import gelu_backward, gelu_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .matmul import matmul_backward, matmul_forward
 from .residual import residual_backward, residual_forward
+
+# AdamW's weight decay applies to the matrices only (the embeddings included), as in llm.c
+WEIGHT_DECAY_NAMES = frozenset(("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"))
 
 
 def gpt2_forward(params, config, inp, targets=None):
@@ -89,7 +92,7 @@ def gpt2_backward(params, config, cache):
 def adamw_step(params, grads, m, v, t, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
     """AdamW over every tensor -> new (params, m, v) dicts; the defaults are train_gpt2.cu's betas and eps.
 
-    As llm.c, weight decay applies only to the 2-D matrices (llm.layout.WEIGHT_DECAY_NAMES)."""
+    As llm.c, weight decay applies only to the matrices (WEIGHT_DECAY_NAMES)."""
     new_params, new_m, new_v = {}, {}, {}
     for name in params:
         decay = weight_decay if name in WEIGHT_DECAY_NAMES else 0.0

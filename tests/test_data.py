@@ -4,7 +4,7 @@ import pytest
 
 from llm import formats
 from llm.data import DataError, DataLoader, EvalLoader, score
-from llm.formats import GPT2_EOT as EOT
+from llm.config import GPT2_EOT as EOT
 
 T = 8
 # Shard s holds the tokens 1000*s + 0, 1, 2, ..., so a token names its shard and position.

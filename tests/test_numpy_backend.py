@@ -33,7 +33,7 @@ def nans(*shape):
 
 def test_numpy_backend_is_float32_only():
     assert get_backend("numpy").dtype == np.float32
-    with pytest.raises(ValueError, match="fp32 only"):
+    with pytest.raises(ValueError, match="the numpy backend computes in fp32, not .bf16."):
         get_backend("numpy", precision="bf16")
 
 

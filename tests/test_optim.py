@@ -3,7 +3,9 @@ import math
 
 import pytest
 
-from llm.optim import LRScheduler, OutlierDetector, clip_scale
+from llm.outliers import OutlierDetector
+from llm.schedulers import LRScheduler
+from llm.zero import clip_scale
 
 
 def test_warmup_ramps_linearly_to_lr_max():

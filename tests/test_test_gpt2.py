@@ -8,7 +8,7 @@ import numpy as np
 from llm import formats
 from llm.config import GPT2Config
 from llm.layout import PARAM_NAMES, ParamViews
-from llm.model import init_params
+from llm.weight_init import init_params
 from reference import gpt2 as ref
 from conftest import REPO, env
 

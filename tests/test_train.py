@@ -57,8 +57,7 @@ def test_killed_run_never_leaves_a_checkpoint_that_fails_to_load(shards):
         proc.wait()
         step = checkpoint.latest_step(shards / "ck")
         if step is not None:   # what -y 1 would take must load
-            config, _ = formats.read_model_header(checkpoint.model_path(shards / "ck", step))
-            formats.read_model(checkpoint.model_path(shards / "ck", step))
+            config, _, _ = formats.read_model(checkpoint.model_path(shards / "ck", step))
             formats.read_state(checkpoint.state_path(shards / "ck", step), config.num_parameters)
     resumed = run_train(args, cwd=shards).stdout
     start = int(re.search(r"resuming from checkpoint at step (\d+)", resumed).group(1))
@@ -144,7 +143,7 @@ def test_hellaswag_flag_without_its_file_says_so(shards):
 def test_non_finite_loss_never_reaches_the_weights(shards):
     from llm.config import GPT2Config
     from llm.layout import ParamViews
-    from llm.model import init_params
+    from llm.weight_init import init_params
     config = GPT2Config.from_descriptor("d2c64h4")
     params = init_params(config)
     ParamViews(params, config).lnfb[0] = np.inf           # every logit, and so every loss, becomes nan

@@ -118,3 +118,43 @@ def test_killing_one_rank_stops_the_run_in_bounded_time(shards):
     assert proc.returncode != 0
     assert time.time() - t0 < 30
     assert not rank_pids("killme", 0), "rank 0 is still running"
+
+
+class ShardOnlyComm:
+    """Rank `rank` of `world_size`, with the collectives an update needs done for this rank alone."""
+    name = "test"
+
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+    def reduce_scatter_avg(self, flat, shard):
+        pass   # the shard is already this rank's slice of flat
+
+    def all_gather(self, shard, flat):
+        pass
+
+
+def test_zero1_over_an_unpadded_model_pads_it_and_updates_every_parameter():
+    """P = 3,385,088 does not divide by 3: the optimizer pads the model's buffers itself, and the three
+    shards together update every parameter, the last one included."""
+    from llm.backends import get_backend
+    from llm.config import GPT2Config
+    from llm.model import GPT2
+    from llm.zero import ZeroOptimizer
+    config = GPT2Config.from_descriptor("d2c64h4")
+    P = config.num_parameters
+    assert P % 3 != 0
+    updated = np.zeros(P, bool)
+    for rank in range(3):
+        model = GPT2(config, get_backend("numpy"))
+        assert model.params_flat.size == P                      # unpadded as built
+        optimizer = ZeroOptimizer(model, ShardOnlyComm(rank, 3), zero_stage=1, weight_decay=0.0)
+        assert model.params_flat.size == 3 * math.ceil(P / 3)   # padded by the optimizer
+        assert optimizer.hi - optimizer.lo == math.ceil(P / 3)
+        model.grads_flat[...] = 1.0
+        before = model.params_numpy()
+        optimizer.update(lr=1e-3, t=1, grad_scale=1.0)
+        changed = model.params_numpy() != before
+        assert not changed[:optimizer.lo].any() and not changed[optimizer.hi:].any()
+        updated |= changed
+    assert updated.all()

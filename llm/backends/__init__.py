@@ -9,12 +9,11 @@ Attributes
   xp            the array module (numpy or cupy)
   dtype         dtype of parameters, gradients and activations (float32, or bfloat16 on the GPU)
   precision     "fp32" or "bf16", for printing
-  master_weights  True when the optimizer keeps fp32 master weights (bf16 params); False when the
-                params are fp32 already
   asarray(a, dtype=None)   host numpy array -> backend array (dtype defaults to a's)
   to_numpy(x)   backend array -> numpy array (bf16 becomes float32)
   synchronize() wait for queued device work (no-op on numpy)
   device_name() what the backend computes on, for the printed config
+  peak_flops()  the device's dense peak FLOP/s at this precision, for MFU; None where unknown
 
 Forward ops write their outputs. Backward ops OVERWRITE the gradient of their activation input
 (dinp, dqkv) and ACCUMULATE (+=) into parameter gradients (dw, db, dwte, dwpe), as llm.c does, so that
@@ -42,14 +41,49 @@ its dinp is the residual stream's gradient, which already holds the skip connect
 """
 
 
-def get_backend(name="numpy", precision="fp32", master_weights=True, allow_tf32=True):
-    """Build a backend by name. Only the cupy backend imports cupy, and only when asked for."""
+PRECISIONS = {"numpy": ("fp32",), "cupy": ("bf16", "fp32")}   # the first is each backend's default
+
+
+class BackendError(ValueError):
+    """A backend that cannot be built here (unknown name, missing package, no GPU): one line saying why."""
+
+
+def gpu_missing():
+    """Why the cupy backend cannot run here (one line), or None when cupy imports and sees a CUDA device."""
+    try:
+        import cupy
+    except ImportError:
+        return "the cupy backend needs cupy: pip install .[gpu] (or cupy-cuda13x), or use --backend numpy"
+    try:
+        if cupy.cuda.is_available():
+            return None
+    except Exception:   # a broken driver or runtime counts as no GPU
+        pass
+    return "the cupy backend needs a CUDA GPU, and none is usable here: use --backend numpy"
+
+
+def resolve(name="auto", precision="auto"):
+    """(backend name, precision) with "auto" decided, here and only here: the cupy backend when a GPU is
+    usable, else numpy; each backend's default precision (bf16 on the GPU, fp32 on the CPU)."""
+    if name == "auto":
+        name = "numpy" if gpu_missing() else "cupy"
+    if name not in PRECISIONS:
+        raise BackendError(f"unknown backend '{name}': choose numpy, cupy or auto")
+    if precision == "auto":
+        precision = PRECISIONS[name][0]
+    if precision not in PRECISIONS[name]:
+        raise BackendError(f"the {name} backend computes in {' or '.join(PRECISIONS[name])}, not '{precision}'")
+    return name, precision
+
+
+def get_backend(name="auto", precision="auto", allow_tf32=True):
+    """Build a backend (names and precisions as resolve()). Only the cupy backend imports cupy."""
+    name, precision = resolve(name, precision)
     if name == "numpy":
-        if precision != "fp32":
-            raise ValueError("the numpy backend computes in fp32 only")
         from .numpy_backend import NumpyBackend
         return NumpyBackend()
-    if name == "cupy":
-        from .cupy_backend import CupyBackend
-        return CupyBackend(precision=precision, master_weights=master_weights, allow_tf32=allow_tf32)
-    raise ValueError(f"unknown backend '{name}': choose numpy or cupy")
+    missing = gpu_missing()
+    if missing:
+        raise BackendError(missing)
+    from .cupy_backend import CupyBackend
+    return CupyBackend(precision=precision, allow_tf32=allow_tf32)

@@ -4,72 +4,36 @@ Storage is bf16 by default (parameters, gradients, activations), with fp32 arith
 kernel and fp32 accumulation in cuBLAS; AdamW's m, v and master weights, LayerNorm's mean and rstd and
 the losses are fp32. precision="fp32" stores everything in fp32 (matmuls in TF32 when allow_tf32).
 No op synchronizes with the host, and the scratch buffers are allocated once per shape and reused.
-
-Kernels: each kernels/<family>.cu is compiled once per element type with cupy.RawModule, with floatX
-set by -DFLOATX. Kernels that move 16-byte packs need C, T, hs and Vp to be multiples of 8; the
-launchers check this.
-
-cuBLAS is column-major; our arrays are row-major. A row-major (R, K) array is, in cuBLAS's eyes, the
-column-major K x R matrix: its transpose. So out = inp @ w^T, row-major (N, OC), is computed as the
-column-major out^T (OC x N) = w (OC x C) @ inp^T (C x N). cuBLAS sees w's memory as w^T, so w goes in
-with op T, and inp's memory as inp^T, so inp goes in as is: gemm(T, N, m=OC, n=N, k=C). Each call below
-spells its own mapping.
+Each launcher sits here beside the math it computes; the compiling, the scratch buffers and the
+cuBLAS calls are in cuda.py.
 
 Attention keeps att, the softmax probabilities (B, NH, T, T) in floatX, for the backward (llm.c's
 non-cuDNN path): memory grows with T^2, and the backward needs no recomputation.
 """
-import importlib.resources
 import math
 
 import numpy as np
+import cupy
 
-try:
-    import cupy
-    import ml_dtypes
-except ImportError as e:
-    raise ImportError(f"the cupy backend needs cupy and ml_dtypes (pip install cupy-cuda12x ml_dtypes): {e}") from e
+from .cuda import BF16, BLOCK, FP32, Blas, Kernels, Scratch, blocks, check_int32, check_packs
 
-KERNELS = importlib.resources.files(__package__) / "kernels"
-COMMON_INCLUDE = '#include "common.cuh"'
-BF16 = np.dtype(ml_dtypes.bfloat16)
-FP32 = np.dtype(np.float32)
-CTYPES = {BF16: "__nv_bfloat16", FP32: "float"}
-PACK_MULTIPLE = 8    # elements in a 16-byte pack of bf16 (4 for fp32; 8 covers both)
-BLOCK = 256          # threads per block for the element-wise kernels
-
-
-def _blocks(n, per_block=BLOCK):
-    return (n + per_block - 1) // per_block
+# dense bf16 tensor-core peaks with fp32 accumulation, by device name; fp32 runs on TF32 units at half
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 class CupyBackend:
     name = "cupy"
     xp = cupy
 
-    def __init__(self, precision="bf16", master_weights=True, allow_tf32=True):
+    def __init__(self, precision="bf16", allow_tf32=True):
         if precision not in ("bf16", "fp32"):
             raise ValueError(f"unknown precision '{precision}': choose bf16 or fp32")
-        try:
-            usable = cupy.cuda.is_available()
-        except cupy.cuda.runtime.CUDARuntimeError:
-            usable = False
-        if not usable:
-            raise RuntimeError("the cupy backend needs a CUDA GPU, and none is usable here")
-        from cupy_backends.cuda.libs import cublas  # loads libcublas, so only once a GPU is known
-        self.cublas = cublas
         self.precision = precision
         self.dtype = BF16 if precision == "bf16" else FP32
-        self.master_weights = precision == "bf16" and master_weights
-        if precision == "bf16":
-            self.compute_type = cublas.CUBLAS_COMPUTE_32F
-        else:
-            self.compute_type = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32 else cublas.CUBLAS_COMPUTE_32F
-        self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        self.max_shared = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
-        self._modules = {}
-        self._kernels = {}
-        self._scratch = {}
-        self._scalars = {}
+        device = cupy.cuda.Device()
+        self.num_sms = device.attributes["MultiProcessorCount"]
+        self.max_shared = device.attributes["MaxSharedMemoryPerBlockOptin"]
+        self.kernels, self.scratch, self.blas = Kernels(), Scratch(), Blas(allow_tf32)
 
     # ---------------------------------------------------------------- arrays
 
@@ -93,98 +57,46 @@ class CupyBackend:
         name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
         return name.decode() if isinstance(name, bytes) else name
 
-    # ---------------------------------------------------------------- plumbing
+    def peak_flops(self):
+        for key, bf16 in PEAK_BF16_FLOPS.items():
+            if key in self.device_name():
+                return bf16 if self.precision == "bf16" else bf16 / 2
+        return None
 
     def _kernel(self, family, name, dtype=None):
-        """The compiled kernel `name` of kernels/<family>.cu for element type dtype (default: self.dtype)."""
-        dtype = self.dtype if dtype is None else np.dtype(dtype)
-        key = (family, name, dtype)
-        if key not in self._kernels:
-            if (family, dtype) not in self._modules:
-                # common.cuh is pasted in rather than found on an include path, so that CuPy's
-                # compile cache, keyed on the source text, sees any change to it.
-                source = (KERNELS / f"{family}.cu").read_text()
-                source = source.replace(COMMON_INCLUDE, (KERNELS / "common.cuh").read_text())
-                self._modules[family, dtype] = cupy.RawModule(code=source, options=(f"-DFLOATX={CTYPES[dtype]}",))
-            self._kernels[key] = self._modules[family, dtype].get_function(name)
-        return self._kernels[key]
+        return self.kernels[family, name, self.dtype if dtype is None else np.dtype(dtype)]
 
     def _buffer(self, name, shape, dtype=None):
-        """A scratch buffer kept between calls; reallocated only when its shape changes."""
-        dtype = self.dtype if dtype is None else np.dtype(dtype)
-        buf = self._scratch.get(name)
-        if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype:
-            buf = self._scratch[name] = cupy.empty(shape, dtype=dtype)
-        return buf
-
-    def _host_scalar(self, value):
-        """A float32 on the host that cuBLAS reads alpha or beta from; cached so it outlives the call."""
-        if value not in self._scalars:
-            self._scalars[value] = np.array(value, dtype=np.float32)
-        return self._scalars[value].ctypes.data
-
-    def _gemm(self, transa, transb, m, n, k, A, lda, B, ldb, C, ldc, alpha=1.0, beta=0.0,
-              batch=1, stride_a=0, stride_b=0, stride_c=0):
-        """C = alpha op(A) op(B) + beta C, column-major (m x n) = (m x k)(k x n); batched when batch > 1."""
-        cb, rt = self.cublas, cupy.cuda.runtime
-        op = {"N": cb.CUBLAS_OP_N, "T": cb.CUBLAS_OP_T}
-        cuda_type = {BF16: rt.CUDA_R_16BF, FP32: rt.CUDA_R_32F}
-        handle = cupy.cuda.device.get_cublas_handle()
-        a_type, b_type, c_type = cuda_type[A.dtype], cuda_type[B.dtype], cuda_type[C.dtype]
-        alpha, beta = self._host_scalar(alpha), self._host_scalar(beta)
-        if batch == 1:
-            cb.gemmEx(handle, op[transa], op[transb], m, n, k, alpha, A.data.ptr, a_type, lda,
-                      B.data.ptr, b_type, ldb, beta, C.data.ptr, c_type, ldc, self.compute_type,
-                      cb.CUBLAS_GEMM_DEFAULT)
-        else:
-            cb.gemmStridedBatchedEx(handle, op[transa], op[transb], m, n, k, alpha,
-                                    A.data.ptr, a_type, lda, stride_a, B.data.ptr, b_type, ldb, stride_b,
-                                    beta, C.data.ptr, c_type, ldc, stride_c, batch,
-                                    self.compute_type, cb.CUBLAS_GEMM_DEFAULT)
-
-    @staticmethod
-    def _check_packs(arrays, **lengths):
-        """Kernels that move 16-byte packs need 16-byte aligned arrays and lengths that are multiples of 8."""
-        for what, value in lengths.items():
-            if value % PACK_MULTIPLE:
-                raise ValueError(f"the cupy backend needs {what} to be a multiple of {PACK_MULTIPLE}, got {value}")
-        if any(a.data.ptr % 16 for a in arrays):
-            raise ValueError("the cupy backend needs arrays that start on a 16-byte boundary "
-                             "(views at element offsets that are multiples of 8)")
-
-    @staticmethod
-    def _check_int32(name, a):
-        if a.dtype != np.int32:
-            raise TypeError(f"the cupy backend needs {name} as an int32 array, got {a.dtype}")
+        return self.scratch.get(name, shape, self.dtype if dtype is None else np.dtype(dtype))
 
     def _elementwise(self, family, name, out, *inputs):
         """Launch a one-thread-per-pack kernel(out, *inputs, n) over n = out.size elements."""
-        self._check_packs((out, *inputs), n=out.size)
+        check_packs((out, *inputs), n=out.size)
         pack = 16 // out.dtype.itemsize
-        self._kernel(family, name)((_blocks(out.size // pack),), (BLOCK,), (out, *inputs, out.size))
+        self._kernel(family, name)((blocks(out.size // pack),), (BLOCK,), (out, *inputs, out.size))
 
     def _add_partial_sums(self, out, partial, rows, stride):
-        """out[j] += sum over rows k of partial[k * stride + j] (matmul.cu), in row order."""
-        self._kernel("matmul", "add_partial_sums")((_blocks(out.size),), (BLOCK,),
+        """out[j] += sum over rows k of partial[k * stride + j] (reduce.cu), in row order."""
+        self._kernel("reduce", "add_partial_sums")((blocks(out.size),), (BLOCK,),
                                                   (out, partial, np.int32(rows), np.int32(stride), np.int32(out.size)))
 
     # ---------------------------------------------------------------- encoder
 
     def encoder_forward(self, out, inp, wte, wpe):
         B, T, C = out.shape
-        self._check_packs((out, wte, wpe), C=C)
-        self._check_int32("inp", inp)
+        check_packs((out, wte, wpe), C=C)
+        check_int32("inp", inp)
         pack = 16 // out.dtype.itemsize
-        self._kernel("encoder", "encoder_forward")((_blocks(B * T * C // pack),), (BLOCK,),
+        self._kernel("encoder", "encoder_forward")((blocks(B * T * C // pack),), (BLOCK,),
                                                    (out, inp, wte, wpe, np.int32(B * T), np.int32(T), np.int32(C)))
 
     def encoder_backward(self, dwte, dwpe, dout, inp):
         # dwte[inp[b,t]] += dout[b,t] and dwpe[t] += sum_b dout[b,t]: the embedding lookup's adjoint.
         B, T, C = dout.shape
-        self._check_packs((dwte, dwpe, dout), C=C)
-        self._check_int32("inp", inp)
+        check_packs((dwte, dwpe, dout), C=C)
+        check_int32("inp", inp)
         pack = 16 // dout.dtype.itemsize
-        self._kernel("encoder", "encoder_backward_wpe")((_blocks(T * C // pack),), (BLOCK,),
+        self._kernel("encoder", "encoder_backward_wpe")((blocks(T * C // pack),), (BLOCK,),
                                                         (dwpe, dout, np.int32(B), np.int32(T), np.int32(C)))
         # a stable device sort (thrust, no host sync) groups equal tokens for the atomic-free dwte sum
         order = cupy.argsort(inp.reshape(-1))
@@ -197,22 +109,22 @@ class CupyBackend:
     def layernorm_forward(self, out, mean, rstd, inp, w, b):
         C = inp.shape[-1]
         N = inp.size // C
-        self._check_packs((out, inp, w, b), C=C)
-        self._kernel("layernorm", "layernorm_forward")((_blocks(N, BLOCK // 32),), (BLOCK,),
+        check_packs((out, inp, w, b), C=C)
+        self._kernel("layernorm", "layernorm_forward")((blocks(N, BLOCK // 32),), (BLOCK,),
                                                        (out, mean, rstd, inp, w, b, np.int32(N), np.int32(C)))
 
     def layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd):
         # dinp += rstd (g - mean(g) - n mean(g n)), n = (x - mean) rstd, g = w dout; dw += sum dout n; db += sum dout
         C = inp.shape[-1]
         N = inp.size // C
-        self._check_packs((dinp, dout, inp, w), C=C)
+        check_packs((dinp, dout, inp, w), C=C)
         warps = 4
         shared = warps * 2 * C * 4  # each warp's fp32 dw and db partial sums
         if shared > self.max_shared:
             raise ValueError(f"the cupy layernorm backward supports C up to {self.max_shared // (warps * 8)}, got {C}")
         # 4 blocks per SM: each block writes one partial row, so more blocks cost more than they hide
         # (8 per SM measured 0.069 ms against 0.050 ms at B=8, T=1024, C=768 on an H200)
-        blocks = min(_blocks(N, warps), 4 * self.num_sms)
+        blocks = min(blocks(N, warps), 4 * self.num_sms)
         kernel = self._kernel("layernorm", "layernorm_backward")
         if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
@@ -230,23 +142,23 @@ class CupyBackend:
         N = inp.size // C
         beta = 0.0
         if bias is not None:
-            self._check_packs((out, bias), OC=OC)
+            check_packs((out, bias), OC=OC)
             pack = 16 // out.dtype.itemsize
-            self._kernel("matmul", "bias_broadcast")((_blocks(N * OC // pack),), (BLOCK,), (out, bias, N, np.int32(OC)))
+            self._kernel("matmul", "bias_broadcast")((blocks(N * OC // pack),), (BLOCK,), (out, bias, N, np.int32(OC)))
             beta = 1.0
-        self._gemm("T", "N", OC, N, C, w, C, inp, C, out, OC, beta=beta)
+        self.blas.gemm("T", "N", OC, N, C, w, C, inp, C, out, OC, beta=beta)
 
     def matmul_backward(self, dinp, dw, dbias, dout, inp, w):
         # dinp = dout @ w (overwritten), dw += dout^T @ inp, dbias += column sums of dout
         OC, C = w.shape
         N = inp.size // C
-        self._gemm("N", "N", C, N, OC, w, C, dout, OC, dinp, C)              # dinp^T = w^T dout^T
-        self._gemm("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)    # dw^T += inp^T dout
+        self.blas.gemm("N", "N", C, N, OC, w, C, dout, OC, dinp, C)              # dinp^T = w^T dout^T
+        self.blas.gemm("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)    # dw^T += inp^T dout
         if dbias is not None:
-            self._check_packs((dout,), OC=OC)
+            check_packs((dout,), OC=OC)
             pack = 16 // dout.dtype.itemsize
-            col_blocks = _blocks(OC // pack, 32)
-            row_blocks = max(1, min(_blocks(N, 8), _blocks(4 * self.num_sms, col_blocks)))
+            col_blocks = blocks(OC // pack, 32)
+            row_blocks = max(1, min(blocks(N, 8), blocks(4 * self.num_sms, col_blocks)))
             partial = self._buffer("bias_partial", (row_blocks, OC), FP32)
             self._kernel("matmul", "bias_backward_partial")((col_blocks, row_blocks), (32, 8),
                                                             (partial, dout, np.int32(N), np.int32(OC)))
@@ -261,16 +173,16 @@ class CupyBackend:
     def _heads(self, qkv, NH, *arrays):
         B, T, C3 = qkv.shape
         hs = C3 // 3 // NH
-        self._check_packs((qkv, *arrays), T=T, hs=hs)
+        check_packs((qkv, *arrays), T=T, hs=hs)
         return B, T, hs
 
     def _permute(self, name, out, inp, B, T, S, NH, hs):
         pack = 16 // out.dtype.itemsize
-        self._kernel("attention", name)((_blocks(out.size // pack),), (BLOCK,),
+        self._kernel("attention", name)((blocks(out.size // pack),), (BLOCK,),
                                         (out, inp, np.int32(B), np.int32(T), np.int32(S), np.int32(NH), np.int32(hs)))
 
     def _softmax(self, name, *args, rows, T):
-        self._kernel("attention", name)((_blocks(rows, BLOCK // 32),), (BLOCK,), (*args, np.int32(rows), np.int32(T)))
+        self._kernel("attention", name)((blocks(rows, BLOCK // 32),), (BLOCK,), (*args, np.int32(rows), np.int32(T)))
 
     def attention_forward(self, out, att, qkv, NH):
         B, T, hs = self._heads(qkv, NH, out, att)
@@ -279,11 +191,11 @@ class CupyBackend:
         y = self._buffer("atty", (B, NH, T, hs))
         self._permute("permute", qkvp, qkv, B, T, 3, NH, hs)
         # per (b, head): preatt (T, T) = q k^T / sqrt(hs); column-major preatt^T = op_T(k) q^T
-        self._gemm("T", "N", T, T, hs, k, hs, q, hs, att, T, alpha=1.0 / math.sqrt(hs),
+        self.blas.gemm("T", "N", T, T, hs, k, hs, q, hs, att, T, alpha=1.0 / math.sqrt(hs),
                    batch=B * NH, stride_a=T * hs, stride_b=T * hs, stride_c=T * T)
         self._softmax("softmax_forward", att, rows=B * NH * T, T=T)
         # y (T, hs) = att v; column-major y^T = v^T att^T
-        self._gemm("N", "N", hs, T, T, v, hs, att, T, y, hs,
+        self.blas.gemm("N", "N", hs, T, T, v, hs, att, T, y, hs,
                    batch=B * NH, stride_a=T * hs, stride_b=T * T, stride_c=T * hs)
         self._permute("unpermute", out, y, B, T, 1, NH, hs)
 
@@ -302,17 +214,17 @@ class CupyBackend:
         self._permute("permute", qkvp, qkv, B, T, 3, NH, hs)
         self._permute("permute", dy, dout, B, T, 1, NH, hs)
         # datt (T, T) = dy v^T; column-major datt^T = op_T(v) dy^T
-        self._gemm("T", "N", T, T, hs, v, hs, dy, hs, datt, T,
+        self.blas.gemm("T", "N", T, T, hs, v, hs, dy, hs, datt, T,
                    stride_a=T * hs, stride_b=T * hs, stride_c=T * T, **batched)
         # dv (T, hs) = att^T dy; column-major dv^T = dy^T op_T(att^T)
-        self._gemm("N", "T", hs, T, T, dy, hs, att, T, dv, hs,
+        self.blas.gemm("N", "T", hs, T, T, dy, hs, att, T, dv, hs,
                    stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
         self._softmax("softmax_backward", datt, att, rows=B * NH * T, T=T)
         # dq (T, hs) = dpreatt k * scale; column-major dq^T = k^T dpreatt^T
-        self._gemm("N", "N", hs, T, T, k, hs, datt, T, dq, hs, alpha=scale,
+        self.blas.gemm("N", "N", hs, T, T, k, hs, datt, T, dq, hs, alpha=scale,
                    stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
         # dk (T, hs) = dpreatt^T q * scale; column-major dk^T = q^T op_T(dpreatt^T)
-        self._gemm("N", "T", hs, T, T, q, hs, datt, T, dk, hs, alpha=scale,
+        self.blas.gemm("N", "T", hs, T, T, q, hs, datt, T, dk, hs, alpha=scale,
                    stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
         self._permute("unpermute", dqkv, dqkvp, B, T, 3, NH, hs)
 
@@ -333,8 +245,8 @@ class CupyBackend:
         # losses = logsumexp(logits[:V]) - logits[target]; dlogits = (softmax - onehot) * dloss, 0 on V..Vp
         Vp = logits.shape[-1]
         N = logits.size // Vp
-        self._check_packs((logits,), Vp=Vp)
-        self._check_int32("targets", targets)
+        check_packs((logits,), Vp=Vp)
+        check_int32("targets", targets)
         write = dloss is not None
         self._kernel("classifier", "fused_classifier")(
             (N,), (1024,), (logits, losses, targets, np.float32(dloss if write else 0.0), np.int32(write),
@@ -346,7 +258,7 @@ class CupyBackend:
         n = param.size
         c1, c2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
         f32 = np.float32
-        self._kernel("adamw", "adamw")((_blocks(n),), (BLOCK,),
+        self._kernel("adamw", "adamw")((blocks(n),), (BLOCK,),
                                        (param, grad, m, v, master, n, f32(lr), f32(beta1), f32(beta2), f32(c1),
                                         f32(c2), f32(eps), f32(weight_decay), f32(grad_scale)))
 
@@ -355,6 +267,6 @@ class CupyBackend:
         parts = 4 * self.num_sms
         partial = self._buffer("sumsq_partial", (parts,), FP32)
         out = cupy.empty((), dtype=FP32)
-        self._kernel("norm", "sumsq_partial", x.dtype)((parts,), (512,), (partial, x, x.size))
-        self._kernel("norm", "sumsq_final", x.dtype)((1,), (512,), (out, partial, np.int32(parts)))
+        self._kernel("reduce", "sumsq_partial", x.dtype)((parts,), (512,), (partial, x, x.size))
+        self._kernel("reduce", "sumsq_final", x.dtype)((1,), (512,), (out, partial, np.int32(parts)))
         return out

@@ -20,7 +20,6 @@ class NumpyBackend:
     xp = np
     dtype = np.float32
     precision = "fp32"
-    master_weights = False
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
@@ -36,6 +35,9 @@ class NumpyBackend:
 
     def synchronize(self):
         pass
+
+    def peak_flops(self):
+        return None   # no table of CPU peaks: MFU is not reported on the CPU
 
     def encoder_forward(self, out, inp, wte, wpe):
         out[...] = ref.encoder_forward(inp, wte, wpe)

@@ -39,24 +39,17 @@ extern "C" __global__ void unpermute(floatX* out, const floatX* inp, int B, int 
 // In place over att, (B*NH*T rows of T). Row r holds query t = r % T; for t2 <= t
 // att[t2] = exp(att[t2] - max) / sum, the max and sum taken over t2 <= t only, and att[t2] = 0 for t2 > t:
 // the causal mask, applied after the softmax as llm.c does. One warp per row (8 rows per 256-thread block).
-// Each lane keeps a running (max, sum of exp) over every 32nd pack of the row, and the lanes combine theirs.
+// Each lane keeps an online softmax (max, sum; common.cuh) over every 32nd pack of the row, and the lanes
+// combine theirs.
 extern "C" __global__ void softmax_forward(floatX* att, int rows, int T) {
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;
     const int t = row % T;
     floatX* a = att + (long long)row * T;
     float m = LOWEST, sum = 0.0f;
-    for (int c = lane * PACK; c <= t; c += 32 * PACK) {
-        const Pack p = load_pack(a + c);
-        float pack_max = LOWEST;
-        for (int i = 0; i < PACK; i++) if (c + i <= t) pack_max = fmaxf(pack_max, (float)p.v[i]);
-        const float new_m = fmaxf(m, pack_max);
-        sum *= __expf(m - new_m);
-        for (int i = 0; i < PACK; i++) if (c + i <= t) sum += __expf((float)p.v[i] - new_m);
-        m = new_m;
-    }
-    const float row_max = warp_max(m);
-    const float inv_sum = 1.0f / warp_sum(sum * __expf(m - row_max));
+    for (int c = lane * PACK; c <= t; c += 32 * PACK) softmax_fold_pack(&m, &sum, load_pack(a + c), t + 1 - c);
+    warp_softmax_combine(&m, &sum);
+    const float row_max = m, inv_sum = 1.0f / sum;
     for (int c = lane * PACK; c < T; c += 32 * PACK) {
         Pack p;
         if (c <= t) p = load_pack(a + c);

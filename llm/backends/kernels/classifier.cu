@@ -2,16 +2,9 @@
 // and (when asked) dlogits = (probs - onehot(target)) * dloss written over the logits, in one launch.
 #include "common.cuh"
 
-// Combine two running (max, sum of exp(x - max)) pairs into *m, *s.
-__device__ __forceinline__ void combine(float* m, float* s, float m2, float s2) {
-    const float new_m = fmaxf(*m, m2);
-    *s = *s * __expf(*m - new_m) + s2 * __expf(m2 - new_m);
-    *m = new_m;
-}
-
-// One block of 1024 threads per row (B*T rows). Pass 1: each thread keeps a running (max, sum) over every
-// 1024th pack of the row's first V columns; the warps combine theirs with shuffles, then warp 0 combines
-// the warps'. losses[row] = log(sum) + max - logit[target]. Pass 2, only when write_dlogits is set:
+// One block of 1024 threads per row (B*T rows). Pass 1: each thread keeps an online softmax (max, sum,
+// common.cuh) over every 1024th pack of the row's first V columns; the warps combine theirs with shuffles,
+// then every thread combines the warps' in the same order. losses[row] = log(sum) + max - logit[target]. Pass 2, only when write_dlogits is set:
 // overwrite the row with (probs - onehot) * dloss over the first V columns and 0 over the padding V..Vp.
 // Pass 2 re-reads a row pass 1 has just read, so it mostly hits the L2 cache.
 extern "C" __global__ void fused_classifier(floatX* logits, float* losses, const int* targets, float dloss,
@@ -22,19 +15,8 @@ extern "C" __global__ void fused_classifier(floatX* logits, float* losses, const
     const int target = targets[blockIdx.x];
     const float target_logit = (float)x[target];  // read before any thread overwrites the row
     float m = LOWEST, s = 0.0f;
-    for (int c = threadIdx.x * PACK; c < V; c += blockDim.x * PACK) {
-        const Pack p = load_pack(x + c);
-        float pack_max = LOWEST;
-        for (int i = 0; i < PACK; i++) if (c + i < V) pack_max = fmaxf(pack_max, (float)p.v[i]);
-        const float new_m = fmaxf(m, pack_max);
-        s *= __expf(m - new_m);
-        for (int i = 0; i < PACK; i++) if (c + i < V) s += __expf((float)p.v[i] - new_m);
-        m = new_m;
-    }
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
-        combine(&m, &s, m2, s2);
-    }
+    for (int c = threadIdx.x * PACK; c < V; c += blockDim.x * PACK) softmax_fold_pack(&m, &s, load_pack(x + c), V - c);
+    warp_softmax_combine(&m, &s);
     if (lane == 0) {
         warp_m[warp] = m;
         warp_s[warp] = s;
@@ -42,7 +24,7 @@ extern "C" __global__ void fused_classifier(floatX* logits, float* losses, const
     __syncthreads();
     m = LOWEST;
     s = 0.0f;
-    for (int k = 0; k < warps; k++) combine(&m, &s, warp_m[k], warp_s[k]);  // every thread, same order
+    for (int k = 0; k < warps; k++) softmax_combine(&m, &s, warp_m[k], warp_s[k]);  // every thread, same order
     if (threadIdx.x == 0) losses[blockIdx.x] = logf(s) + m - target_logit;
     if (!write_dlogits) return;
     const float inv_s = 1.0f / s;

@@ -31,16 +31,40 @@ __device__ __forceinline__ void store_pack(floatX* p, const Pack& x) {
 // never exp(-inf + inf).
 #define LOWEST (-3.402823466e38f)
 
-// Butterfly reductions over the 32 lanes of a warp; every lane gets the result, and the order of
+// A butterfly sum over the 32 lanes of a warp; every lane gets the result, and the order of
 // the additions is fixed, so the result is the same on every run.
 __device__ __forceinline__ float warp_sum(float x) {
     for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
     return x;
 }
 
-__device__ __forceinline__ float warp_max(float x) {
-    for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    return x;
+// The online softmax (Milakov and Gimelshein, 2018): one pass over a row keeps a running max m and a running
+// sum s = sum of exp(x - m) over the values seen so far. When a larger max m' arrives, the sum so far is
+// rescaled by exp(m - m'), so at the end s is exactly sum exp(x - max): no approximation, one read of the row.
+// Two partial (m, s) pairs, over disjoint parts of a row, combine the same way. The classifier and attention
+// both reduce their rows with these.
+__device__ __forceinline__ void softmax_combine(float* m, float* s, float m2, float s2) {
+    const float new_m = fmaxf(*m, m2);
+    *s = *s * __expf(*m - new_m) + s2 * __expf(m2 - new_m);
+    *m = new_m;
+}
+
+// Fold the first n values of a pack (those before the row's end) into a running (m, s).
+__device__ __forceinline__ void softmax_fold_pack(float* m, float* s, const Pack& p, int n) {
+    float pack_max = LOWEST;
+    for (int i = 0; i < PACK; i++) if (i < n) pack_max = fmaxf(pack_max, (float)p.v[i]);
+    const float new_m = fmaxf(*m, pack_max);
+    *s *= __expf(*m - new_m);
+    for (int i = 0; i < PACK; i++) if (i < n) *s += __expf((float)p.v[i] - new_m);
+    *m = new_m;
+}
+
+// Combine the (m, s) of the 32 lanes of a warp; every lane gets the row's (max, sum).
+__device__ __forceinline__ void warp_softmax_combine(float* m, float* s) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, *m, offset), s2 = __shfl_xor_sync(0xffffffffu, *s, offset);
+        softmax_combine(m, s, m2, s2);
+    }
 }
 
 // Sum over a block whose size is a multiple of 32: each warp reduces, then warp 0's lanes add the

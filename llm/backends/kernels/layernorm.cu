@@ -40,7 +40,7 @@ extern "C" __global__ void layernorm_forward(floatX* out, float* mean, float* rs
 // Each warp adds its rows' dw and db terms into its own slice of shared memory: its lanes own disjoint
 // channels, so there are no races, and the slice is laid out [i][pack] so the lanes hit distinct banks.
 // At the end the block adds its warps' slices in warp order and writes one row of `partial`
-// (gridDim.x, 2C: dw then db); add_partial_sums (matmul.cu) then adds the rows in order into dw and db.
+// (gridDim.x, 2C: dw then db); add_partial_sums (reduce.cu) then adds the rows in order into dw and db.
 // No atomics anywhere, so the sums are the same on every run.
 extern "C" __global__ void layernorm_backward(floatX* dinp, float* partial, const floatX* dout,
                                               const floatX* inp, const floatX* w, const float* mean,

@@ -1,5 +1,5 @@
-// The parts of a Linear layer that cuBLAS does not do: the bias in the forward, the bias gradient in the
-// backward, and the ordered sum of per-block partial sums that several backward kernels share.
+// The parts of a Linear layer that cuBLAS does not do: the bias in the forward and the bias gradient in the
+// backward (its per-block partial sums are added up by reduce.cu's add_partial_sums).
 #include "common.cuh"
 
 // out[r,:] = bias for each of the N rows. cuBLAS then adds inp @ w^T on top with beta = 1, so the bias is
@@ -34,14 +34,4 @@ extern "C" __global__ void bias_backward_partial(float* partial, const floatX* d
             partial[(long long)blockIdx.y * OC + c + i] = total;
         }
     }
-}
-
-// out[j] += sum over k < rows of partial[k * stride + j], for j < n, adding the rows in order.
-// One thread per output element; consecutive threads read consecutive floats of each row.
-extern "C" __global__ void add_partial_sums(floatX* out, const float* partial, int rows, int stride, int n) {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= n) return;
-    float acc = 0.0f;
-    for (int k = 0; k < rows; k++) acc += partial[(long long)k * stride + j];
-    out[j] = floatX((float)out[j] + acc);
 }

@@ -1,7 +1,20 @@
-// The squared global gradient norm: sum of x^2 in float over a 1-D array, in two deterministic stages.
+// Deterministic sums in two stages, with no atomics: blocks write partial sums, then the partials are added
+// in a fixed order, so a sum is the same on every run.
+//   add_partial_sums   the second stage of the bias and layernorm weight gradients (matmul.cu, layernorm.cu)
+//   sumsq_partial/final   sum of x^2 in float over a 1-D array: the squared global gradient norm
 #include "common.cuh"
 
-// Stage 1: gridDim.x blocks stride over x, thread i taking packs i, i + gridDim.x * blockDim.x, ...
+// out[j] += sum over k < rows of partial[k * stride + j], for j < n, adding the rows in order.
+// One thread per output element; consecutive threads read consecutive floats of each row.
+extern "C" __global__ void add_partial_sums(floatX* out, const float* partial, int rows, int stride, int n) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    float acc = 0.0f;
+    for (int k = 0; k < rows; k++) acc += partial[(long long)k * stride + j];
+    out[j] = floatX((float)out[j] + acc);
+}
+
+// sumsq, stage 1: gridDim.x blocks stride over x, thread i taking packs i, i + gridDim.x * blockDim.x, ...
 // The array may start anywhere (a ZeRO shard), so the elements before its first 16-byte boundary and
 // those after its last whole pack are read one at a time. Each block writes the sum of its threads'
 // sums to partial[blockIdx.x].
@@ -20,7 +33,7 @@ extern "C" __global__ void sumsq_partial(float* partial, const floatX* x, long l
     if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
-// Stage 2: one block adds the `parts` partial sums; thread j takes partials j, j + blockDim.x, ...
+// sumsq, stage 2: one block adds the `parts` partial sums; thread j takes partials j, j + blockDim.x, ...
 extern "C" __global__ void sumsq_final(float* out, const float* partial, int parts) {
     float acc = 0.0f;
     for (int j = threadIdx.x; j < parts; j += blockDim.x) acc += partial[j];

@@ -1,13 +1,5 @@
-"""Optimizer settings, learning-rate schedules, gradient clipping and the outlier detector, as llm.c.
-
-AdamW's element-wise update itself is a backend op (reference/adamw.py on the CPU, a CUDA kernel on
-the GPU); llm/zero.py decides which slice of the flat buffers each rank updates.
-"""
+"""Learning-rate schedules, as llm.c's llmc/schedulers.h (the -k, -l, -u and -q flags)."""
 import math
-
-# llm.c's train_gpt2.cu hard-codes these at the AdamW call site
-BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
-GRAD_CLIP = 1.0
 
 SCHEDULERS = ("cosine", "linear", "constant", "wsd")
 
@@ -44,28 +36,3 @@ class LRScheduler:
         if self.kind == "cosine":
             return min_lr + 0.5 * (1 + math.cos(math.pi * r)) * (lr_max - min_lr)
         return lr_max - r * (lr_max - min_lr)  # linear
-
-
-def clip_scale(grad_norm, clip=GRAD_CLIP):
-    """The factor AdamW multiplies each gradient by so that the global norm is at most `clip`."""
-    return clip / grad_norm if grad_norm > clip else 1.0
-
-
-class OutlierDetector:
-    """z-score of a value against the last 128 values (llm.c's outlier_detector.h): nan until the window fills."""
-    WINDOW = 128
-
-    def __init__(self):
-        self.values = []
-
-    def update(self, x):
-        """Push x into the window (dropping the oldest once full) and return its z-score within it."""
-        full = len(self.values) == self.WINDOW
-        if full:
-            self.values.pop(0)
-        self.values.append(float(x))
-        if not full:
-            return math.nan
-        mean = sum(self.values) / self.WINDOW
-        std = math.sqrt(max(sum(v * v for v in self.values) / self.WINDOW - mean * mean, 0.0))
-        return 0.0 if std == 0 else (x - mean) / std

@@ -1,0 +1,152 @@
+"""Training speed: llm/step.py's train_step (forward, backward, norm, clip, AdamW) on either backend, and
+where one step's time goes.
+
+    python bench/step.py --backend numpy            GPT-2 124M, B=4, T=64 on the CPU
+    python bench/step.py --backend cupy             GPT-2 124M, B=64, T=1024, bf16 on the GPU
+    options: --model d12 -b B -t T --precision bf16|fp32 --steps 6
+
+Prints each step's time, the median as `median 1234.5 ms/step`, tok/s and MFU (llm.c's FLOPs per token
+against the device's peak, where known), memory on the GPU (the pool, and the peak that nvidia-smi saw
+while the steps ran), then a table of one step's time per backend op.
+"""
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run from a checkout
+from llm.backends import get_backend  # noqa: E402
+from llm.comm import SingleComm  # noqa: E402
+from llm.config import GPT2Config  # noqa: E402
+from llm.model import GPT2  # noqa: E402
+from llm.outliers import UpdateGuard  # noqa: E402
+from llm.step import train_step  # noqa: E402
+from llm.weight_init import init_params  # noqa: E402
+from llm.zero import ZeroOptimizer  # noqa: E402
+
+OPS = ("encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
+       "matmul_backward", "attention_forward", "attention_backward", "gelu_forward", "gelu_backward",
+       "residual_forward", "fused_classifier", "adamw", "sumsq")
+DEFAULT_BT = {"numpy": (4, 64), "cupy": (64, 1024)}
+
+
+class OpTimer:
+    """Wraps a backend's ops so that each call is timed (CUDA events on the GPU, the clock on the CPU,
+    where every op finishes before it returns); totals per op name."""
+
+    def __init__(self, backend):
+        self.backend, self.records, self.enabled = backend, [], False
+        for name in OPS:
+            setattr(backend, name, self._wrap(name, getattr(backend, name)))
+
+    def _wrap(self, name, op):
+        gpu = self.backend.name == "cupy"
+
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return op(*args, **kwargs)
+            start = self.backend.xp.cuda.Event() if gpu else time.perf_counter()
+            if gpu:
+                start.record()
+            out = op(*args, **kwargs)
+            if gpu:
+                end = self.backend.xp.cuda.Event()
+                end.record()
+            else:
+                end = time.perf_counter()
+            self.records.append((name, start, end))
+            return out
+        return timed
+
+    def table(self):
+        self.backend.synchronize()
+        totals, counts = defaultdict(float), defaultdict(int)
+        for name, start, end in self.records:
+            gpu = not isinstance(start, float)
+            totals[name] += self.backend.xp.cuda.get_elapsed_time(start, end) if gpu else (end - start) * 1000
+            counts[name] += 1
+        self.records.clear()
+        whole = sum(totals.values())
+        lines = [f"per-op time of one step ({whole:.2f} ms in ops):", f"{'op':<22}{'calls':>6}{'ms':>10}{'share':>8}"]
+        for name in sorted(totals, key=totals.get, reverse=True):
+            lines.append(f"{name:<22}{counts[name]:>6}{totals[name]:>10.2f}{100 * totals[name] / whole:>7.1f}%")
+        return "\n".join(lines)
+
+
+class GpuMemoryPeak:
+    """The most memory nvidia-smi reports in use on this process's GPU while it runs (sampled every 50 ms)."""
+
+    def __init__(self, backend):
+        self.device, self.peak_mib = backend.xp.cuda.Device().pci_bus_id, None
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                      "-lms", "50", "-i", self.device],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *_):
+        self.proc.terminate()
+        out = self.proc.communicate()[0]
+        self.peak_mib = max((int(v) for v in out.split() if v.isdigit()), default=None)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
+    parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
+    parser.add_argument("--model", default="d12")
+    parser.add_argument("-b", type=int, help="micro batch size (default 4 on numpy, 64 on cupy)")
+    parser.add_argument("-t", type=int, help="sequence length (default 64 on numpy, 1024 on cupy)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps, after two warm-up steps")
+    args = parser.parse_args()
+    backend = get_backend(args.backend, args.precision)
+    B, T = args.b or DEFAULT_BT[backend.name][0], args.t or DEFAULT_BT[backend.name][1]
+    config = GPT2Config.from_descriptor(args.model)
+    model = GPT2(config, backend)
+    model.load_params(init_params(config))
+    optimizer = ZeroOptimizer(model, SingleComm(), zero_stage=0, weight_decay=0.0)
+    guard = UpdateGuard()
+    timer = OpTimer(backend)
+    rng = np.random.default_rng(0)
+    batch = [(rng.integers(0, config.vocab_size, (B, T), dtype=np.int32),
+              rng.integers(0, config.vocab_size, (B, T), dtype=np.int32))]
+
+    def step(t):
+        t0 = time.perf_counter()
+        result = train_step(model, optimizer, batch, 1e-4, t, guard)   # reads loss and norm: syncs the device
+        backend.synchronize()
+        return result, (time.perf_counter() - t0) * 1000
+
+    print(f"{args.model} B={B} T={T} {backend.precision} on {backend.device_name()}")
+    for t in (1, 2):   # warm-up: compiles every kernel, fills the memory pool
+        print(f"warm-up step {t}: loss {step(t)[0].loss:.4f}")
+    times = []
+    with GpuMemoryPeak(backend) if backend.name == "cupy" else contextlib.nullcontext() as peak:
+        for t in range(3, 3 + args.steps):
+            result, ms = step(t)
+            times.append(ms)
+            print(f"step {t}: loss {result.loss:.4f} norm {result.grad_norm:.4f} {ms:.1f} ms")
+    ms = statistics.median(times)
+    flops = config.flops_per_token(T) * B * T
+    peak_flops = backend.peak_flops()
+    mfu = f"{100 * flops / (ms / 1000) / peak_flops:.1f}%" if peak_flops else "n/a"
+    print(f"median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | MFU {mfu}")
+    if backend.name == "cupy":
+        pool = backend.xp.get_default_memory_pool()
+        print(f"memory: pool {pool.total_bytes() / 2**20:,.0f} MiB, peak in use by nvidia-smi "
+              f"{peak.peak_mib if peak.peak_mib is not None else 'n/a'} MiB")
+    timer.enabled = True
+    step(3 + args.steps)
+    timer.enabled = False
+    print(timer.table())
+
+
+if __name__ == "__main__":
+    main()

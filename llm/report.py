@@ -1,0 +1,97 @@
+"""What train_gpt2.py prints, in llm.c's words and layout: the configuration tables, the allocation lines,
+the per-step line and its throughput figures."""
+import numpy as np
+
+BORDER = "+" + "-" * 23 + "+" + "-" * 52 + "+"
+
+
+def row(name, value):
+    return f"| {name:<21} | {value:<50} |"
+
+
+def table(rows):
+    return "\n".join(row(name, value) for name, value in rows)
+
+
+def config_tables(args, run, model, backend, comm):
+    """llm.c's tables: the flags, the device, the model, the batch counts and the ZeRO setup.
+
+    args: the parsed flags; run: what main() derived from them (train_pattern, total_batch, train_steps,
+    val_steps, run_hellaswag)."""
+    config, peak = model.config, backend.peak_flops()
+    init = args["e"] if args["e"].endswith(".bin") else f"random ({args['e']})"
+    return "\n".join([
+        BORDER, row("Parameter", "Value"), BORDER,
+        table([("train data pattern", run["train_pattern"]), ("val data pattern", args["j"]),
+               ("output log dir", args["o"] or "NULL"), ("checkpoint_every", args["n"]), ("resume", args["y"]),
+               ("micro batch size B", args["b"]), ("sequence length T", args["t"]),
+               ("total batch size", run["total_batch"]), ("LR scheduler", args["k"]),
+               ("learning rate (LR)", f"{args['l']:e}"), ("warmup iterations", args["u"]),
+               ("final LR fraction", f"{args['q']:e}"), ("weight decay", f"{args['c']:e}"),
+               ("skip update lossz", f"{args['sl']:f}"), ("skip update gradz", f"{args['sg']:f}"),
+               ("max_steps", args["x"]), ("val_loss_every", args["v"]), ("val_max_steps", args["m"]),
+               ("sample_every", args["s"]), ("genT", args["g"]), ("overfit_single_batch", args["a"]),
+               ("use_master_weights", "enabled" if run["master_weights"] else "disabled"), ("recompute", 0)]),
+        BORDER,
+        table([("device", backend.device_name()), ("peak TFlops", f"{peak / 1e12 if peak else -1.0:.1f}"),
+               ("precision", backend.precision.upper())]),
+        BORDER,
+        table([("weight init method", init), ("max_sequence_length T", config.max_seq_len),
+               ("vocab_size V", config.vocab_size), ("padded_vocab_size Vp", config.padded_vocab_size),
+               ("num_layers L", config.num_layers), ("num_heads NH", config.num_heads),
+               ("channels C", config.channels), ("num_parameters", config.num_parameters)]),
+        BORDER,
+        table([("train_num_batches", run["train_steps"]), ("val_num_batches", run["val_steps"])]),
+        BORDER,
+        row("run hellaswag", "yes" if run["run_hellaswag"] else "no"),
+        BORDER,
+        f"| {'Zero Stage1 is enabled' if args['z'] == 1 else 'Zero Optimization is disabled':<74} |",
+        table([("num_processes", comm.world_size), ("zero_stage", args["z"]), ("communicator", comm.name)]),
+        BORDER])
+
+
+def allocation_lines(model, optimizer, B, T, total_batch, grad_accum, N):
+    """llm.c's lines on the batch and the memory each buffer takes (MiB rounded down)."""
+    config = model.config
+    param_bytes = config.num_parameters * np.dtype(model.backend.dtype).itemsize
+    lines = [f"num_parameters: {config.num_parameters} => bytes: {param_bytes}",
+             f"allocated {param_bytes >> 20} MiB for model parameters",
+             f"batch_size B={B} * seq_len T={T} * num_processes={N} and total_batch_size={total_batch}",
+             f"=> setting grad_accum_steps={grad_accum}",
+             f"allocated {param_bytes >> 20} MiB for parameter gradients",
+             f"allocated {model.activations(B, T).nbytes >> 20} MiB for activations",
+             f"allocated {optimizer.m.nbytes >> 20} MiB for AdamW optimizer state m",
+             f"allocated {optimizer.v.nbytes >> 20} MiB for AdamW optimizer state v"]
+    if optimizer.master is not None:
+        lines.append(f"allocated {optimizer.master.nbytes >> 20} MiB for master copy of params")
+    return "\n".join(lines)
+
+
+class Throughput:
+    """llm.c's tok/s and MFU of each step. tok/s is the step's own rate at the first step, then an EMA
+    (0.95) of the rates, bias-corrected; MFU is the step's FLOPs per second against the device's peak."""
+
+    def __init__(self, tokens_per_step, flops_per_step, peak_flops):
+        self.tokens, self.flops, self.peak = tokens_per_step, flops_per_step, peak_flops
+        self.ema, self.steps, self.total_ms = 0.0, 0, 0.0
+
+    def update(self, ms):
+        """-> (tok/s, MFU or -1 when the peak is unknown) for a step that took ms milliseconds."""
+        tok_s = self.tokens / ms * 1000
+        if self.steps > 0:   # llm.c leaves the first step (compilation, allocation) out of the average
+            self.ema = 0.95 * self.ema + 0.05 * tok_s
+            tok_s = self.ema / (1 - 0.95 ** self.steps)
+            self.total_ms += ms
+        self.steps += 1
+        return tok_s, self.flops / (ms / 1000) / self.peak if self.peak else -1.0
+
+    def average_ms(self):
+        """The mean step time after the first step, for llm.c's last line (None before two steps)."""
+        return self.total_ms / (self.steps - 1) if self.steps > 1 else None
+
+
+def step_line(step, train_steps, result, lr, ms, mfu, tok_s, precision):
+    """llm.c's per-step line; step is 0-based and printed 1-based."""
+    return (f"step {step + 1:4d}/{train_steps} | loss {result.loss:7.6f} ({result.loss_z:+.2f}z)| "
+            f"norm {result.grad_norm:6.4f} ({result.norm_z:+.2f}z)| lr {lr:.2e} | {ms:.2f} ms | "
+            f"{100 * mfu:.1f}% {precision} MFU | {tok_s:.0f} tok/s")
