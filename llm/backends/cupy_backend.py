@@ -124,15 +124,15 @@ class CupyBackend:
             raise ValueError(f"the cupy layernorm backward supports C up to {self.max_shared // (warps * 8)}, got {C}")
         # 4 blocks per SM: each block writes one partial row, so more blocks cost more than they hide
         # (8 per SM measured 0.069 ms against 0.050 ms at B=8, T=1024, C=768 on an H200)
-        blocks = min(blocks(N, warps), 4 * self.num_sms)
+        grid = min(blocks(N, warps), 4 * self.num_sms)
         kernel = self._kernel("layernorm", "layernorm_backward")
         if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
-        partial = self._buffer("ln_partial", (blocks, 2 * C), FP32)
-        kernel((blocks,), (32 * warps,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N), np.int32(C)),
+        partial = self._buffer("ln_partial", (grid, 2 * C), FP32)
+        kernel((grid,), (32 * warps,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N), np.int32(C)),
                shared_mem=shared)
-        self._add_partial_sums(dw, partial, blocks, 2 * C)
-        self._add_partial_sums(db, partial.reshape(-1)[C:], blocks, 2 * C)
+        self._add_partial_sums(dw, partial, grid, 2 * C)
+        self._add_partial_sums(db, partial.reshape(-1)[C:], grid, 2 * C)
 
     # ---------------------------------------------------------------- matmul
 
@@ -192,11 +192,11 @@ class CupyBackend:
         self._permute("permute", qkvp, qkv, B, T, 3, NH, hs)
         # per (b, head): preatt (T, T) = q k^T / sqrt(hs); column-major preatt^T = op_T(k) q^T
         self.blas.gemm("T", "N", T, T, hs, k, hs, q, hs, att, T, alpha=1.0 / math.sqrt(hs),
-                   batch=B * NH, stride_a=T * hs, stride_b=T * hs, stride_c=T * T)
+                       batch=B * NH, stride_a=T * hs, stride_b=T * hs, stride_c=T * T)
         self._softmax("softmax_forward", att, rows=B * NH * T, T=T)
         # y (T, hs) = att v; column-major y^T = v^T att^T
         self.blas.gemm("N", "N", hs, T, T, v, hs, att, T, y, hs,
-                   batch=B * NH, stride_a=T * hs, stride_b=T * T, stride_c=T * hs)
+                       batch=B * NH, stride_a=T * hs, stride_b=T * T, stride_c=T * hs)
         self._permute("unpermute", out, y, B, T, 1, NH, hs)
 
     def attention_backward(self, dqkv, dout, qkv, att, NH):
