@@ -59,7 +59,7 @@ FLAGS = {
     "-f": (1, int, "allow TF32 matmuls in fp32 on the GPU (0/1)"),
     "-w": (1, int, "keep fp32 master weights when the parameters are bf16 (0/1)"),
     "-z": (0, int, "ZeRO stage: 0 (off) or 1 (shard the optimizer state)"),
-    "-r": (1, int, "recompute (llm.c: 0 none, 1 GELU, 2 GELU+LN); here every activation is kept"),
+    "-r": (1, int, "recompute in the backward to save memory: 0 none, 1 GELU, 2 GELU and layernorms"),
     "--backend": ("auto", str, "numpy, cupy, or auto (cupy when a GPU is usable)"),
     "--precision": ("auto", str, "fp32 or bf16 (auto: bf16 on the GPU, fp32 on the CPU)"),
     "--comm": ("auto", str, "auto, or nccl: NCCL between GPUs even for a single rank"),
@@ -95,6 +95,8 @@ def parse_args(argv):
         raise UsageError(f"-z {args['z']}: only ZeRO stages 0 and 1 exist here")
     if args["v"] <= 0:
         raise UsageError("-v must be positive (val loss every N steps)")
+    if args["r"] not in (0, 1, 2):
+        raise UsageError(f"-r {args['r']}: recompute is 0 (none), 1 (GELU) or 2 (GELU and layernorms)")
     return args
 
 
@@ -106,7 +108,7 @@ def build_model(args, backend):
     else:
         config = GPT2Config.from_descriptor(source)
         params = init_params(config)
-    model = GPT2(config, backend)
+    model = GPT2(config, backend, recompute=args["r"])
     model.load_params(params)
     return model
 
@@ -136,8 +138,6 @@ def main(argv):
     comm = make_comm(gpu=backend_name == "cupy", force_nccl=args["comm"] == "nccl")
     backend = get_backend(backend_name, precision, allow_tf32=bool(args["f"]))
     log0 = print if comm.rank == 0 else (lambda *a, **k: None)
-    if args["r"] != 1:
-        log0(f"note: -r {args['r']} has no effect: this trainer keeps every activation, it never recomputes")
     if args["f"] != 1 and not (backend.name == "cupy" and backend.precision == "fp32"):
         log0(f"note: -f {args['f']} has no effect: TF32 applies to fp32 matmuls on the GPU only")
 

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One pass on a GPU machine: versions, the backend's op checks, test_gpt2 in fp32 and bf16, and the d12
-# throughput benchmark. Logs go to $OUT (or ./gpu_logs). Usage: bash bench/gpu_check.sh [stage ...]
-# stages: env ops test bench train mpi ckpt (default: env ops test bench)
+# throughput benchmark beside torch.compile's. Logs go to $OUT (or ./gpu_logs).
+# Usage: bash bench/gpu_check.sh [stage ...]
+# stages: env ops test bench torch train mpi ckpt (default: env ops test bench torch)
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
 TS="-i data/tinyshakespeare/tiny_shakespeare_train.bin -j data/tinyshakespeare/tiny_shakespeare_val.bin"
-stages=${*:-env ops test bench}
+stages=${*:-env ops test bench torch}
 for stage in $stages; do
   echo "=== $stage"
   case $stage in
@@ -23,6 +24,8 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     timeout 150 python3 test_gpt2.py --backend cupy --precision bf16 2>&1 | tee "$OUT/test_bf16.log" | tail -32 ;;
   bench)
     timeout 300 python3 bench/step.py --backend cupy --model d12 -b 64 -t 1024 --steps 8 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+  torch)   # the yardstick, same model and batch, same GPU
+    timeout 400 python3 bench/torch_gpt2.py --model d12 -b 64 -t 1024 --steps 20 2>&1 | tee "$OUT/torch.log" | tail -3 ;;
   train)   # the same tiny-Shakespeare run on GPU (fp32, bf16) and CPU: the loss curves must agree
     common="-e d6 -b 8 -t 256 -l 3e-4 -x 20 -v 10 -m 4 -s 0 $TS"
     timeout 200 python3 train_gpt2.py $common --backend cupy --precision fp32 -f 0 2>&1 | tee "$OUT/train_fp32.log" | grep -E "^step|val loss" | tail -8

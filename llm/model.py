@@ -16,45 +16,74 @@ from .layout import ParamViews
 class Activations:
     """Every tensor the forward pass keeps for the backward pass, for one (B, T), allocated once.
 
-    Per-layer tensors are stacked (L, ...) as in llm.c, so layer l's ln1 is acts.ln1[l]."""
+    Per-layer tensors are stacked (L, ...) as in llm.c, so layer l's ln1 is acts.ln1[l]. With recompute
+    (llm.c's -r) some are not kept: at 1 the GELU output, at 2 also the layernorm outputs; the backward
+    recomputes each one from what is kept (fch, and the residual with its mean and rstd) just before use.
 
-    def __init__(self, backend, config, B, T):
+    One scratch buffer of B*T*max(Vp, 13C) holds the logits at the end of the forward and the start of the
+    backward, and everything that lives only inside one layer before and after that, at fixed places:
+      proj (C)      the attention and MLP projections' outputs, before the residual adds them (forward)
+      datty (C)     the gradient at attention's output (backward; shares proj's place)
+      dqkv (3C)     the gradient at qkv
+      dfch (4C)     the gradient at fch, and at fch_gelu just before (gelu_backward runs in place)
+      gelu (4C)     fch_gelu of the current layer, when it is recomputed
+      ln (C)        ln1 or ln2 of the current layer, when they are recomputed
+    as in llm.c, whose "output" buffer serves the same turns."""
+
+    def __init__(self, backend, config, B, T, recompute):
         xp, dt, f32 = backend.xp, backend.dtype, np.float32
         L, C, Vp, NH = config.num_layers, config.channels, config.padded_vocab_size, config.num_heads
+        allocations = []
+
+        def alloc(shape, dtype=dt):
+            allocations.append(xp.empty(shape, dtype))
+            return allocations[-1]
+
         att_shape, att_dtype = backend.attention_saved_shape(B, T, NH)
-        self.encoded = xp.empty((B, T, C), dt)
-        self.ln1 = xp.empty((L, B, T, C), dt)
-        self.ln1_mean, self.ln1_rstd = xp.empty((L, B, T), f32), xp.empty((L, B, T), f32)
-        self.qkv = xp.empty((L, B, T, 3 * C), dt)
-        self.atty = xp.empty((L, B, T, C), dt)
-        self.att = xp.empty((L,) + tuple(att_shape), att_dtype)
-        self.attproj = xp.empty((L, B, T, C), dt)
-        self.residual2 = xp.empty((L, B, T, C), dt)
-        self.ln2 = xp.empty((L, B, T, C), dt)
-        self.ln2_mean, self.ln2_rstd = xp.empty((L, B, T), f32), xp.empty((L, B, T), f32)
-        self.fch = xp.empty((L, B, T, 4 * C), dt)
-        self.fch_gelu = xp.empty((L, B, T, 4 * C), dt)
-        self.fcproj = xp.empty((L, B, T, C), dt)
-        self.residual3 = xp.empty((L, B, T, C), dt)
-        self.lnf = xp.empty((B, T, C), dt)
-        self.lnf_mean, self.lnf_rstd = xp.empty((B, T), f32), xp.empty((B, T), f32)
-        self.logits = xp.empty((B, T, Vp), dt)   # after a training forward: dlogits, in place
-        self.losses = xp.empty((B, T), f32)
-        # gradients of activations, reused across layers (the backward walks one layer at a time)
-        self.dresidual = xp.empty((B, T, C), dt)  # the residual stream's gradient
-        self.dln = xp.empty((B, T, C), dt)        # gradient at a layernorm's output
-        self.datty = xp.empty((B, T, C), dt)
-        self.dqkv = xp.empty((B, T, 3 * C), dt)
-        self.dfch = xp.empty((B, T, 4 * C), dt)
-        self.dfch_gelu = xp.empty((B, T, 4 * C), dt)
-        self.nbytes = sum(a.nbytes for a in vars(self).values())
+        self.encoded = alloc((B, T, C))
+        self.ln1 = alloc((L, B, T, C)) if recompute < 2 else None
+        self.ln1_mean, self.ln1_rstd = alloc((L, B, T), f32), alloc((L, B, T), f32)
+        self.qkv = alloc((L, B, T, 3 * C))
+        self.atty = alloc((L, B, T, C))
+        self.att = alloc((L,) + tuple(att_shape), att_dtype)   # what attention keeps for its backward
+        self.residual2 = alloc((L, B, T, C))
+        self.ln2 = alloc((L, B, T, C)) if recompute < 2 else None
+        self.ln2_mean, self.ln2_rstd = alloc((L, B, T), f32), alloc((L, B, T), f32)
+        self.fch = alloc((L, B, T, 4 * C))
+        self.fch_gelu = alloc((L, B, T, 4 * C)) if recompute < 1 else None
+        self.residual3 = alloc((L, B, T, C))
+        self.lnf = alloc((B, T, C))
+        self.lnf_mean, self.lnf_rstd = alloc((B, T), f32), alloc((B, T), f32)
+        self.losses = alloc((B, T), f32)
+        self.dresidual = alloc((B, T, C))   # the residual stream's gradient, carried down the layers
+        self.dln = alloc((B, T, C))         # the gradient at a layernorm's output
+        scratch = alloc(B * T * max(Vp, 13 * C))
+        self.logits = scratch[:B * T * Vp].reshape(B, T, Vp)   # after a training backward: dlogits
+
+        def place(first, width):   # `width` channels per position, `first` B*T*C-sized units in
+            return scratch[first * B * T * C:(first * C + width) * B * T].reshape(B, T, width)
+        self.proj = self.datty = place(0, C)
+        self.dqkv, self.dfch, self.gelu, self.ln = place(1, 3 * C), place(4, 4 * C), place(8, 4 * C), place(12, C)
+        self.nbytes = sum(a.nbytes for a in allocations)
+
+    def ln1_of(self, l):
+        return self.ln if self.ln1 is None else self.ln1[l]
+
+    def ln2_of(self, l):
+        return self.ln if self.ln2 is None else self.ln2[l]
+
+    def fch_gelu_of(self, l):
+        return self.gelu if self.fch_gelu is None else self.fch_gelu[l]
 
 
 class GPT2:
     """GPT-2 with llm.c's flat buffers: params and grads are each one array; named views point into them."""
 
-    def __init__(self, config, backend):
-        self.config, self.backend = config, backend
+    def __init__(self, config, backend, recompute=1):
+        if recompute not in (0, 1, 2):
+            raise ValueError(f"recompute must be 0 (keep every activation), 1 (recompute GELU) or 2 "
+                             f"(GELU and layernorms), not {recompute}")
+        self.config, self.backend, self.recompute = config, backend, recompute
         self.params_flat = backend.xp.zeros(config.num_parameters, backend.dtype)
         self.grads_flat = backend.xp.zeros(config.num_parameters, backend.dtype)
         self._views()
@@ -96,7 +125,7 @@ class GPT2:
 
     def activations(self, B, T):
         if (B, T) not in self._acts:
-            self._acts[(B, T)] = Activations(self.backend, self.config, B, T)
+            self._acts[(B, T)] = Activations(self.backend, self.config, B, T, self.recompute)
         return self._acts[(B, T)]
 
     # ---- forward ----
@@ -112,16 +141,17 @@ class GPT2:
         be.encoder_forward(a.encoded, inp, p.wte, p.wpe)
         for l in range(L):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
-            be.layernorm_forward(a.ln1[l], a.ln1_mean[l], a.ln1_rstd[l], residual, p.ln1w[l], p.ln1b[l])
-            be.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], p.qkvb[l])
+            ln1, ln2, fch_gelu = a.ln1_of(l), a.ln2_of(l), a.fch_gelu_of(l)
+            be.layernorm_forward(ln1, a.ln1_mean[l], a.ln1_rstd[l], residual, p.ln1w[l], p.ln1b[l])
+            be.matmul_forward(a.qkv[l], ln1, p.qkvw[l], p.qkvb[l])
             be.attention_forward(a.atty[l], a.att[l], a.qkv[l], NH)
-            be.matmul_forward(a.attproj[l], a.atty[l], p.attprojw[l], p.attprojb[l])
-            be.residual_forward(a.residual2[l], residual, a.attproj[l])
-            be.layernorm_forward(a.ln2[l], a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l], p.ln2w[l], p.ln2b[l])
-            be.matmul_forward(a.fch[l], a.ln2[l], p.fcw[l], p.fcb[l])
-            be.gelu_forward(a.fch_gelu[l], a.fch[l])
-            be.matmul_forward(a.fcproj[l], a.fch_gelu[l], p.fcprojw[l], p.fcprojb[l])
-            be.residual_forward(a.residual3[l], a.residual2[l], a.fcproj[l])
+            be.matmul_forward(a.proj, a.atty[l], p.attprojw[l], p.attprojb[l])
+            be.residual_forward(a.residual2[l], residual, a.proj)
+            be.layernorm_forward(ln2, a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l], p.ln2w[l], p.ln2b[l])
+            be.matmul_forward(a.fch[l], ln2, p.fcw[l], p.fcb[l])
+            be.gelu_forward(fch_gelu, a.fch[l])
+            be.matmul_forward(a.proj, fch_gelu, p.fcprojw[l], p.fcprojb[l])
+            be.residual_forward(a.residual3[l], a.residual2[l], a.proj)
         be.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], p.lnfw, p.lnfb)
         be.matmul_forward(a.logits, a.lnf, p.wte, None)   # the lm_head is tied to wte, no bias
         self._pending = (a, inp)
@@ -162,16 +192,23 @@ class GPT2:
                               a.lnf_mean, a.lnf_rstd)
         for l in reversed(range(L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
+            ln1, ln2, fch_gelu = a.ln1_of(l), a.ln2_of(l), a.fch_gelu_of(l)
             # dresidual = dloss/d residual3[l]: flows to fcproj's output and, unchanged, to residual2
-            be.matmul_backward(a.dfch_gelu, g.fcprojw[l], g.fcprojb[l], a.dresidual, a.fch_gelu[l], p.fcprojw[l])
-            be.gelu_backward(a.dfch, a.fch[l], a.dfch_gelu)
-            be.matmul_backward(a.dln, g.fcw[l], g.fcb[l], a.dfch, a.ln2[l], p.fcw[l])
+            if self.recompute >= 1:
+                be.gelu_forward(fch_gelu, a.fch[l])
+            be.matmul_backward(a.dfch, g.fcprojw[l], g.fcprojb[l], a.dresidual, fch_gelu, p.fcprojw[l])
+            be.gelu_backward(a.dfch, a.fch[l], a.dfch)
+            if self.recompute >= 2:
+                be.layernorm_forward(ln2, a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l], p.ln2w[l], p.ln2b[l])
+            be.matmul_backward(a.dln, g.fcw[l], g.fcb[l], a.dfch, ln2, p.fcw[l])
             be.layernorm_backward(a.dresidual, g.ln2w[l], g.ln2b[l], a.dln, a.residual2[l], p.ln2w[l],
                                   a.ln2_mean[l], a.ln2_rstd[l])
             # dresidual = dloss/d residual2[l]: flows to attproj's output and, unchanged, to residual
             be.matmul_backward(a.datty, g.attprojw[l], g.attprojb[l], a.dresidual, a.atty[l], p.attprojw[l])
-            be.attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH)
-            be.matmul_backward(a.dln, g.qkvw[l], g.qkvb[l], a.dqkv, a.ln1[l], p.qkvw[l])
+            be.attention_backward(a.dqkv, a.datty, a.qkv[l], a.atty[l], a.att[l], NH)
+            if self.recompute >= 2:
+                be.layernorm_forward(ln1, a.ln1_mean[l], a.ln1_rstd[l], residual, p.ln1w[l], p.ln1b[l])
+            be.matmul_backward(a.dln, g.qkvw[l], g.qkvb[l], a.dqkv, ln1, p.qkvw[l])
             be.layernorm_backward(a.dresidual, g.ln1w[l], g.ln1b[l], a.dln, residual, p.ln1w[l],
                                   a.ln1_mean[l], a.ln1_rstd[l])
         be.encoder_backward(g.wte, g.wpe, a.dresidual, inp)

@@ -31,7 +31,7 @@ def config_tables(args, run, model, backend, comm):
                ("skip update lossz", f"{args['sl']:f}"), ("skip update gradz", f"{args['sg']:f}"),
                ("max_steps", args["x"]), ("val_loss_every", args["v"]), ("val_max_steps", args["m"]),
                ("sample_every", args["s"]), ("genT", args["g"]), ("overfit_single_batch", args["a"]),
-               ("use_master_weights", "enabled" if run["master_weights"] else "disabled"), ("recompute", 0)]),
+               ("use_master_weights", "enabled" if run["master_weights"] else "disabled"), ("recompute", args["r"])]),
         BORDER,
         table([("device", backend.device_name()), ("peak TFlops", f"{peak / 1e12 if peak else -1.0:.1f}"),
                ("precision", backend.precision.upper())]),

@@ -153,7 +153,7 @@ def run_attention(backend, qkv, dout, NH, dtype, poison=False):
             poison_nan(x)
     qkv, dout = backend.asarray(qkv, dtype), backend.asarray(dout, dtype)
     backend.attention_forward(out, att, qkv, NH)
-    backend.attention_backward(dqkv, dout, qkv, att, NH)
+    backend.attention_backward(dqkv, dout, qkv, out, att, NH)
     return backend.to_numpy(out), backend.to_numpy(dqkv)
 
 
@@ -166,6 +166,39 @@ def test_attention_forward_and_backward(gpu, shape):
     errors = {name: rel_err(g, r) for name, g, r in zip(("out", "dqkv"), got, ref)}
     print(f"attention            {gpu.precision} {qkv.shape}: " + ", ".join(f"{e:.2e}" for e in errors.values()))
     assert_close(gpu, errors)
+
+
+@pytest.mark.parametrize("T, NH, hs", [(1, 2, 64), (37, 2, 64), (100, 3, 16), (129, 2, 32), (1024, 2, 64)])
+def test_flash_attention_matches_the_naive_attention_at_odd_sizes(T, NH, hs):
+    """bf16 flash attention against the float64 naive reference: T not a multiple of the 64-row tiles,
+    T = 1, head sizes 16, 32 and 64. It also runs twice to the same bits (no atomics), and its saved lse
+    is the log-sum-exp of each row's causal scores."""
+    import reference as ref_math
+    gpu = CupyBackend("bf16")
+    rng = np.random.default_rng(T)
+    B, C = 2, NH * hs
+    qkv, dout = rounded(gpu, randn(rng, B, T, 3 * C)), rounded(gpu, randn(rng, B, T, C))
+    out64, att64 = ref_math.attention_forward(qkv.astype(np.float64), NH)
+    dqkv64 = ref_math.attention_backward(dout.astype(np.float64), qkv.astype(np.float64), att64, NH)
+    g_qkv, g_dout = gpu.asarray(qkv, gpu.dtype), gpu.asarray(dout, gpu.dtype)
+    runs = []
+    for _ in range(2):
+        out, dqkv = gpu.xp.zeros((B, T, C), gpu.dtype), gpu.xp.zeros((B, T, 3 * C), gpu.dtype)
+        poison_nan(out)
+        poison_nan(dqkv)
+        lse = gpu.xp.full(gpu.attention_saved_shape(B, T, NH)[0], np.nan, np.float32)
+        gpu.attention_forward(out, lse, g_qkv, NH)
+        gpu.attention_backward(dqkv, g_dout, g_qkv, out, lse, NH)
+        runs.append((gpu.to_numpy(out), gpu.to_numpy(dqkv), lse.get()))
+    (out, dqkv, lse), again = runs
+    assert all(np.array_equal(a, b) for a, b in zip(runs[0], again))
+    q, k, _ = ref_math.attention.split_heads(qkv.astype(np.float64), NH)
+    scores = np.where(np.tril(np.ones((T, T), bool)), q @ k.swapaxes(-1, -2) / np.sqrt(hs), -np.inf)
+    lse64 = np.logaddexp.reduce(scores, axis=-1)
+    errors = {"out": rel_err(out, out64), "dqkv": rel_err(dqkv, dqkv64), "lse": rel_err(lse, lse64)}
+    print(f"flash attention      bf16 B={B} T={T} NH={NH} hs={hs}: "
+          + ", ".join(f"{k} {e:.2e}" for k, e in errors.items()))
+    assert errors["out"] < 1e-2 and errors["dqkv"] < 2e-2 and errors["lse"] < 1e-3
 
 
 def test_gelu_and_residual(gpu, shape):

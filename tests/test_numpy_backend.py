@@ -123,7 +123,7 @@ def test_attention_backward_overwrites_dqkv(be, rng):
     _, att = ref.attention_forward(qkv, NH)
     dqkv = nans(B, T, 3 * C)
     for _ in range(2):
-        be.attention_backward(dqkv, dout, qkv, att, NH)
+        be.attention_backward(dqkv, dout, qkv, ref.attention_forward(qkv, NH)[0], att, NH)
         np.testing.assert_array_equal(dqkv, ref.attention_backward(dout, qkv, att, NH))
 
 

@@ -26,10 +26,11 @@ its dinp is the residual stream's gradient, which already holds the skip connect
   layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd)   all three +=
   matmul_forward(out, inp, w, bias)              out(B,T,OC) = inp(B,T,C) @ w(OC,C)^T + bias(OC) (bias may be None)
   matmul_backward(dinp, dw, dbias, dout, inp, w) dinp = dout @ w;  dw += dout^T @ inp;  dbias += sum dout
-  attention_saved_shape(B, T, NH)                (shape, dtype) of what attention keeps for backward
-  attention_forward(out, att, qkv, NH)           qkv (B,T,3C) -> out (B,T,C); att: the saved buffer
-  attention_backward(dqkv, dout, qkv, att, NH)   dqkv (B,T,3C) overwritten
-  gelu_forward(out, inp) / gelu_backward(dinp, inp, dout)      tanh GELU; dinp overwritten
+  attention_saved_shape(B, T, NH)                (shape, dtype) of what attention keeps for backward: the
+                                                 probabilities (B,NH,T,T), or flash attention's lse (B,NH,T)
+  attention_forward(out, saved, qkv, NH)         qkv (B,T,3C) -> out (B,T,C), causal; saved: the kept buffer
+  attention_backward(dqkv, dout, qkv, out, saved, NH)   dqkv (B,T,3C) overwritten; out: the forward's output
+  gelu_forward(out, inp) / gelu_backward(dinp, inp, dout)      tanh GELU; dinp overwritten (dinp may be dout)
   residual_forward(out, inp1, inp2)              out = inp1 + inp2
   fused_classifier(logits, losses, targets, V, dloss)
                     logits (B,T,Vp); losses float32 (B,T) = -log softmax(logits[..., :V])[target].

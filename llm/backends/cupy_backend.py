@@ -7,8 +7,8 @@ No op synchronizes with the host, and the scratch buffers are allocated once per
 Each launcher sits here beside the math it computes; the compiling, the scratch buffers and the
 cuBLAS calls are in cuda.py.
 
-Attention keeps att, the softmax probabilities (B, NH, T, T) in floatX, for the backward (llm.c's
-non-cuDNN path): memory grows with T^2, and the backward needs no recomputation.
+Attention in bf16 is flash attention (kernels/flash_attention.cu); in fp32 it is the naive attention around
+cuBLAS, which keeps the (T, T) probabilities (see the attention section below).
 """
 import math
 
@@ -16,6 +16,10 @@ import numpy as np
 import cupy
 
 from .cuda import BF16, BLOCK, FP32, Blas, Kernels, Scratch, blocks, check_int32, check_packs
+
+FLASH_TILE, FLASH_THREADS = 64, 128   # flash_attention.cu's BQ = BK and its 4 warps
+FLASH_HEAD_SIZES = (16, 32, 64)       # the head sizes its kernels are built for
+LOG2E = 1.4426950408889634
 
 # dense bf16 tensor-core peaks with fp32 accumulation, by device name; fp32 runs on TF32 units at half
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -165,45 +169,69 @@ class CupyBackend:
             self._add_partial_sums(dbias, partial, row_blocks, OC)
 
     # ---------------------------------------------------------------- attention
+    # bf16: flash attention (kernels/flash_attention.cu): it keeps only the output and each row's
+    # log-sum-exp (B, NH, T) in fp32, and the backward recomputes the probabilities tile by tile.
+    # fp32, the checking precision: the naive attention around cuBLAS (kernels/attention.cu), exact to fp32,
+    # which keeps att, the (B, NH, T, T) probabilities.
 
     def attention_saved_shape(self, B, T, NH):
-        """att, the causal softmax probabilities, (B, NH, T, T) in floatX."""
-        return (B, NH, T, T), self.dtype
+        if self.dtype == BF16:
+            return (B, NH, T), FP32   # lse
+        return (B, NH, T, T), FP32    # att
 
-    def _heads(self, qkv, NH, *arrays):
-        B, T, C3 = qkv.shape
-        hs = C3 // 3 // NH
-        check_packs((qkv, *arrays), T=T, hs=hs)
-        return B, T, hs
+    def _head_size(self, qkv, NH):
+        hs = qkv.shape[-1] // 3 // NH
+        if self.dtype == BF16 and hs not in FLASH_HEAD_SIZES:
+            raise ValueError(f"flash attention is built for head sizes {FLASH_HEAD_SIZES}, got {hs} (C / NH)")
+        return hs
 
-    def _permute(self, name, out, inp, B, T, S, NH, hs):
-        pack = 16 // out.dtype.itemsize
-        self._kernel("attention", name)((blocks(out.size // pack),), (BLOCK,),
-                                        (out, inp, np.int32(B), np.int32(T), np.int32(S), np.int32(NH), np.int32(hs)))
-
-    def _softmax(self, name, *args, rows, T):
-        self._kernel("attention", name)((blocks(rows, BLOCK // 32),), (BLOCK,), (*args, np.int32(rows), np.int32(T)))
-
-    def attention_forward(self, out, att, qkv, NH):
-        B, T, hs = self._heads(qkv, NH, out, att)
+    def attention_forward(self, out, saved, qkv, NH):
+        B, T, _ = qkv.shape
+        hs = self._head_size(qkv, NH)
+        if self.dtype == BF16:
+            check_packs((out, qkv), hs=hs)
+            self._kernel("flash_attention", f"flash_forward_hs{hs}")(
+                (blocks(T, FLASH_TILE), B * NH), (FLASH_THREADS,),
+                (out, saved, qkv, np.int32(T), np.int32(NH), np.float32(LOG2E / math.sqrt(hs))))
+            return
+        check_packs((qkv, out, saved), T=T, hs=hs)
         qkvp = self._buffer("qkvp", (3, B, NH, T, hs))
         q, k, v = qkvp
         y = self._buffer("atty", (B, NH, T, hs))
         self._permute("permute", qkvp, qkv, B, T, 3, NH, hs)
         # per (b, head): preatt (T, T) = q k^T / sqrt(hs); column-major preatt^T = op_T(k) q^T
-        self.blas.gemm("T", "N", T, T, hs, k, hs, q, hs, att, T, alpha=1.0 / math.sqrt(hs),
+        self.blas.gemm("T", "N", T, T, hs, k, hs, q, hs, saved, T, alpha=1.0 / math.sqrt(hs),
                        batch=B * NH, stride_a=T * hs, stride_b=T * hs, stride_c=T * T)
-        self._softmax("softmax_forward", att, rows=B * NH * T, T=T)
+        self._softmax("softmax_forward", saved, rows=B * NH * T, T=T)
         # y (T, hs) = att v; column-major y^T = v^T att^T
-        self.blas.gemm("N", "N", hs, T, T, v, hs, att, T, y, hs,
+        self.blas.gemm("N", "N", hs, T, T, v, hs, saved, T, y, hs,
                        batch=B * NH, stride_a=T * hs, stride_b=T * T, stride_c=T * hs)
         self._permute("unpermute", out, y, B, T, 1, NH, hs)
 
-    def attention_backward(self, dqkv, dout, qkv, att, NH):
+    def attention_backward(self, dqkv, dout, qkv, out, saved, NH):
+        B, T, _ = qkv.shape
+        hs = self._head_size(qkv, NH)
+        scale = 1.0 / math.sqrt(hs)
+        if self.dtype == BF16:
+            # D = rowsum(dout * out), then dK and dV per key tile, dQ per query tile (deterministic sums)
+            check_packs((dqkv, dout, qkv, out), hs=hs)
+            D = self._buffer("flash_D", (B, NH, T), FP32)
+            self._kernel("flash_attention", f"flash_backward_dot_hs{hs}")(
+                (blocks(B * NH * T),), (BLOCK,), (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))
+            args = (dqkv, dout, qkv, saved, D, np.int32(T), np.int32(NH), np.float32(LOG2E * scale),
+                    np.float32(scale))
+            dkv = self._kernel("flash_attention", f"flash_backward_dkv_hs{hs}")
+            shared = 4 * FLASH_TILE * hs * 2 + 4 * FLASH_TILE * 4   # Q, dO (2 stages each), lse, D
+            if dkv.max_dynamic_shared_size_bytes < shared:
+                dkv.max_dynamic_shared_size_bytes = shared
+            dkv((blocks(T, FLASH_TILE), B * NH), (FLASH_THREADS,), args, shared_mem=shared)
+            self._kernel("flash_attention", f"flash_backward_dq_hs{hs}")(
+                (blocks(T, FLASH_TILE), B * NH), (FLASH_THREADS,), args)
+            return
         # y = att v: datt = dy v^T, dv = att^T dy; softmax backward gives dpreatt;
         # preatt = q k^T / sqrt(hs): dq = dpreatt k / sqrt(hs), dk = dpreatt^T q / sqrt(hs)
-        B, T, hs = self._heads(qkv, NH, dqkv, dout, att)
-        scale = 1.0 / math.sqrt(hs)
+        check_packs((qkv, dqkv, dout, saved), T=T, hs=hs)
+        att = saved
         qkvp = self._buffer("qkvp", (3, B, NH, T, hs))
         q, k, v = qkvp
         dqkvp = self._buffer("dqkvp", (3, B, NH, T, hs))
@@ -215,18 +243,26 @@ class CupyBackend:
         self._permute("permute", dy, dout, B, T, 1, NH, hs)
         # datt (T, T) = dy v^T; column-major datt^T = op_T(v) dy^T
         self.blas.gemm("T", "N", T, T, hs, v, hs, dy, hs, datt, T,
-                   stride_a=T * hs, stride_b=T * hs, stride_c=T * T, **batched)
+                       stride_a=T * hs, stride_b=T * hs, stride_c=T * T, **batched)
         # dv (T, hs) = att^T dy; column-major dv^T = dy^T op_T(att^T)
         self.blas.gemm("N", "T", hs, T, T, dy, hs, att, T, dv, hs,
-                   stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
+                       stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
         self._softmax("softmax_backward", datt, att, rows=B * NH * T, T=T)
         # dq (T, hs) = dpreatt k * scale; column-major dq^T = k^T dpreatt^T
         self.blas.gemm("N", "N", hs, T, T, k, hs, datt, T, dq, hs, alpha=scale,
-                   stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
+                       stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
         # dk (T, hs) = dpreatt^T q * scale; column-major dk^T = q^T op_T(dpreatt^T)
         self.blas.gemm("N", "T", hs, T, T, q, hs, datt, T, dk, hs, alpha=scale,
-                   stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
+                       stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
         self._permute("unpermute", dqkv, dqkvp, B, T, 3, NH, hs)
+
+    def _permute(self, name, out, inp, B, T, S, NH, hs):
+        pack = 16 // out.dtype.itemsize
+        self._kernel("attention", name)((blocks(out.size // pack),), (BLOCK,),
+                                        (out, inp, np.int32(B), np.int32(T), np.int32(S), np.int32(NH), np.int32(hs)))
+
+    def _softmax(self, name, *args, rows, T):
+        self._kernel("attention", name)((blocks(rows, BLOCK // 32),), (BLOCK,), (*args, np.int32(rows), np.int32(T)))
 
     # ---------------------------------------------------------------- gelu, residual
 

@@ -1,0 +1,113 @@
+"""A yardstick, not part of the project: the same GPT-2 training step in PyTorch with torch.compile, to be
+timed side by side with bench/step.py on the same GPU, model and batch. Needs torch (never a dependency).
+
+    python bench/torch_gpt2.py [--model d12] [-b 64] [-t 1024] [--steps 20] [--no-compile] [--sdpa cudnn|flash]
+
+bf16 autocast with fp32 weights (torch's usual mixed precision), causal scaled_dot_product_attention, tanh
+GELU, tied lm_head, fused AdamW with betas (0.9, 0.95), gradient clipping at 1.0: llm.c's step. Prints the
+median ms/step, tok/s and the peak memory (torch's allocator, and nvidia-smi sampled while it runs).
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from llm.config import GPT2Config  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, C, NH):
+        super().__init__()
+        self.NH = NH
+        self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.qkv, self.attproj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.fc, self.fcproj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.NH, C // self.NH).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.attproj(y)
+        return x + self.fcproj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        C = config.channels
+        self.wte, self.wpe = nn.Embedding(config.padded_vocab_size, C), nn.Embedding(config.max_seq_len, C)
+        self.blocks = nn.ModuleList(Block(C, config.num_heads) for _ in range(config.num_layers))
+        self.lnf = nn.LayerNorm(C)
+        self.V = config.vocab_size
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lnf(x) @ self.wte.weight.T
+        return F.cross_entropy(logits[..., :self.V].float().flatten(0, 1), targets.flatten())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="d12")
+    parser.add_argument("-b", type=int, default=64)
+    parser.add_argument("-t", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--sdpa", choices=["default", "flash", "cudnn"], default="default")
+    args = parser.parse_args()
+    config = GPT2Config.from_descriptor(args.model)
+    torch.manual_seed(0)
+    model = GPT(config).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                                  fused=True)
+    step_fn = model if args.no_compile else torch.compile(model)
+    backends = {"flash": [torch.nn.attention.SDPBackend.FLASH_ATTENTION],
+                "cudnn": [torch.nn.attention.SDPBackend.CUDNN_ATTENTION]}.get(args.sdpa)
+    B, T = args.b, args.t
+    x = torch.randint(0, config.vocab_size, (B, T), device="cuda")
+    y = torch.randint(0, config.vocab_size, (B, T), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if backends:
+                with torch.nn.attention.sdpa_kernel(backends):
+                    loss = step_fn(x, y)
+            else:
+                loss = step_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    for _ in range(3):   # compiles
+        step()
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "50",
+                            "-i", str(torch.cuda.current_device())], stdout=subprocess.PIPE, text=True)
+    times = []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
+        times.append((time.perf_counter() - t0) * 1000)
+    smi.terminate()
+    peak_smi = max(int(v) for v in smi.communicate()[0].split() if v.isdigit())
+    ms = statistics.median(times)
+    mode = "eager" if args.no_compile else "torch.compile"
+    print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} {args.model} B={B} T={T} bf16: loss {loss:.4f} | "
+          f"median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | peak memory: nvidia-smi {peak_smi} MiB, "
+          f"torch reserved {torch.cuda.max_memory_reserved() / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
