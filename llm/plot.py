@@ -1,106 +1,92 @@
-"""Plot a run's loss curves: python -m llm.plot DIR [-o loss.png]
+"""Plot a run's loss curves: python -m llm.plot DIR [-o loss.png] [--log]
 
-Reads DIR/main.log (llm.c's `s:%d trl:%f ...` and `s:%d tel:%f` lines) and draws train loss (blue) and
-val loss (red) against step into a PNG. The PNG is drawn pixel by pixel and written with zlib, so
-plotting needs nothing beyond NumPy.
+Reads DIR/main.log, the log train_gpt2.py writes with -o DIR in llm.c's format:
+    s:%d trl:%f    train loss at a step (more fields may follow)
+    s:%d tel:%f    val loss
+    s:%d eval:%f   HellaSwag accuracy, when the run evaluated it (-h 1)
+and draws train and val loss against step, with HellaSwag accuracy on a second axis when there is any.
+
+Plotting needs matplotlib, an optional extra (pip install '.[plot]'). It is imported only when a figure is
+drawn, so nothing else in llm/ depends on it, and it draws with Agg, which needs no display.
 """
 import argparse
 import os
 import re
-import struct
 import sys
-import zlib
 
-import numpy as np
-
-# a 3x5 pixel font for the axis labels: each glyph is 5 rows of 3 bits
-FONT = {"0": [7, 5, 5, 5, 7], "1": [2, 6, 2, 2, 7], "2": [7, 1, 7, 4, 7], "3": [7, 1, 3, 1, 7],
-        "4": [5, 5, 7, 1, 1], "5": [7, 4, 7, 1, 7], "6": [7, 4, 7, 5, 7], "7": [7, 1, 1, 2, 2], "8": [7, 5, 7, 5, 7],
-        "9": [7, 5, 7, 1, 7], ".": [0, 0, 0, 0, 2], "-": [0, 0, 7, 0, 0], " ": [0, 0, 0, 0, 0]}
-W, H, MARGIN = 800, 500, 50
-BLUE, RED, BLACK, GREY = (31, 119, 180), (214, 39, 40), (0, 0, 0), (220, 220, 220)
+LINE = re.compile(r"s:(\d+) (trl|tel|eval):(\S+)")
 
 
 def read_log(path):
-    """-> (train [(step, loss)], val [(step, loss)]) from a main.log."""
-    train, val = [], []
-    for line in open(path):
-        if m := re.match(r"s:(\d+) trl:(\S+)", line):
-            train.append((int(m.group(1)), float(m.group(2))))
-        elif m := re.match(r"s:(\d+) tel:(\S+)", line):
-            val.append((int(m.group(1)), float(m.group(2))))
-    return train, val
+    """-> train, val, evals: lists of (step, value) from a main.log, in the order of the file."""
+    series = {"trl": [], "tel": [], "eval": []}
+    with open(path) as f:
+        for line in f:
+            if m := LINE.match(line):
+                series[m.group(2)].append((int(m.group(1)), float(m.group(3))))
+    return series["trl"], series["tel"], series["eval"]
 
 
-def draw_line(img, x0, y0, x1, y1, color):
-    n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-    xs = np.linspace(x0, x1, n).round().astype(int).clip(0, W - 1)
-    ys = np.linspace(y0, y1, n).round().astype(int).clip(0, H - 1)
-    img[ys, xs] = color
-
-
-def draw_text(img, x, y, text, scale=2):
-    for i, ch in enumerate(text):
-        for r, bits in enumerate(FONT.get(ch, FONT[" "])):
-            for c in range(3):
-                if bits >> (2 - c) & 1:
-                    x0, y0 = x + (i * 4 + c) * scale, y + r * scale
-                    img[y0:y0 + scale, x0:x0 + scale] = BLACK
-
-
-def write_png(path, img):
-    raw = b"".join(b"\x00" + row.tobytes() for row in img)   # filter type 0 per scanline
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", W, H, 8, 2, 0, 0, 0)) +
-                chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-
-
-def plot(train, val, path):
-    points = train + val
-    if not points:
-        raise ValueError("no loss lines to plot")
-    steps, losses = [s for s, _ in points], [v for _, v in points]
-    s_lo, s_hi = min(steps), max(max(steps), min(steps) + 1)
-    l_lo, l_hi = min(losses), max(max(losses), min(losses) + 1e-6)
-    def xy(s, v):
-        return (MARGIN + (s - s_lo) / (s_hi - s_lo) * (W - 2 * MARGIN),
-                H - MARGIN - (v - l_lo) / (l_hi - l_lo) * (H - 2 * MARGIN))
-    img = np.full((H, W, 3), 255, np.uint8)
-    for k in range(5):   # grid lines with the loss and step values they stand for
-        y = MARGIN + k * (H - 2 * MARGIN) / 4
-        draw_line(img, MARGIN, y, W - MARGIN, y, GREY)
-        draw_text(img, 4, int(y) - 5, f"{l_hi - k * (l_hi - l_lo) / 4:.2f}")
-        x = MARGIN + k * (W - 2 * MARGIN) / 4
-        draw_text(img, int(x) - 10, H - MARGIN + 8, f"{round(s_lo + k * (s_hi - s_lo) / 4)}")
-    draw_line(img, MARGIN, H - MARGIN, W - MARGIN, H - MARGIN, BLACK)
-    draw_line(img, MARGIN, MARGIN, MARGIN, H - MARGIN, BLACK)
-    for series, color in ((train, BLUE), (val, RED)):
-        for (s0, v0), (s1, v1) in zip(series, series[1:]):
-            draw_line(img, *xy(s0, v0), *xy(s1, v1), color)
-        for s, v in series if len(series) == 1 else ():
-            x, y = xy(s, v)
-            img[int(y) - 2:int(y) + 3, int(x) - 2:int(x) + 3] = color
-    write_png(path, img)
+def figure(train, val, evals, title, log_scale=False):
+    """A matplotlib Figure of 800 x 500 pixels: loss against step, and HellaSwag accuracy on the right."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import LogFormatter
+    fig = Figure(figsize=(8, 5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)                                   # Agg renders to memory: no window, no display
+    ax = fig.add_subplot()
+    train_marker = "o" if len(train) == 1 else None       # a line through one point draws nothing
+    for points, label, color, marker in ((train, "train loss", "tab:blue", train_marker),
+                                         (val, "val loss", "tab:red", "o")):
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, color=color, label=label, marker=marker, markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if log_scale:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))    # 4 rather than 4 x 10^0
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+    ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title)
+    handles, labels = ax.get_legend_handles_labels()
+    if evals:
+        acc = ax.twinx()
+        steps, values = zip(*evals)
+        acc.plot(steps, values, color="tab:green", label="HellaSwag accuracy", marker="s", markersize=3)
+        acc.set_ylabel("HellaSwag accuracy")
+        more_handles, more_labels = acc.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 1), ncol=3, frameon=False)   # above the axes
+    return fig
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Plot train (blue) and val (red) loss from DIR/main.log.")
-    parser.add_argument("dir")
-    parser.add_argument("-o", "--out", help="PNG to write (default DIR/loss.png)")
+    parser = argparse.ArgumentParser(description="Plot train and val loss (and HellaSwag accuracy) from DIR/main.log.")
+    parser.add_argument("dir", help="a run's output directory, as given to train_gpt2.py -o")
+    parser.add_argument("-o", "--out", help="image to write (default DIR/loss.png)")
+    parser.add_argument("--log", action="store_true", help="log-scale loss axis")
     args = parser.parse_args(argv)
     log = os.path.join(args.dir, "main.log")
     if not os.path.exists(log):
         print(f"error: {log}: no such file (train with -o {args.dir} first)", file=sys.stderr)
         return 1
-    train, val = read_log(log)
+    train, val, evals = read_log(log)
     if not train and not val:
         print(f"error: {log}: no s:N trl:/tel: lines to plot", file=sys.stderr)
         return 1
+    title = f"{os.path.basename(os.path.abspath(args.dir))}: loss against step"
+    try:
+        fig = figure(train, val, evals, title, log_scale=args.log)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
+        print("error: plotting needs matplotlib: pip install '.[plot]' (or pip install matplotlib)", file=sys.stderr)
+        return 1
     out = args.out or os.path.join(args.dir, "loss.png")
-    plot(train, val, out)
-    print(f"wrote {out}: {len(train)} train and {len(val)} val points")
+    fig.savefig(out)
+    print(f"wrote {out}: {len(train)} train and {len(val)} val points"
+          + (f", {len(evals)} HellaSwag points" if evals else ""))
     return 0
 
 
