@@ -1,11 +1,15 @@
 """What the data preparation scripts (data/*.py) share: their common flags, reading the source text
-from a local file or a download, and printing a user's mistake as one line instead of a traceback."""
+from a local file or a download, optional packages, writing shards, and printing a user's mistake as
+one line instead of a traceback."""
 import argparse
+from contextlib import contextmanager
+import importlib
 import io
 import os
 import sys
 import urllib.request
 
+from llm import formats
 from llm.formats import FormatError
 from llm.tokenizer import TokenizerError
 
@@ -16,21 +20,42 @@ class PrepError(Exception):
     """A missing or malformed source, or no network: one line naming the file or URL and the problem."""
 
 
-def arguments(description, url, out, input_env=None):
-    """A parser with the flags every script takes: --input (else $input_env, else `url`), --vocab, --out."""
+def arguments(description, url, out, input_env=None, input_help="the source file", nargs=None, out_help=None):
+    """A parser with the flags every script takes: --input (else $input_env, else `url`), --vocab, --out.
+
+    `out` is the default output directory relative to the repo ("" for the repo root), or None when the
+    script works it out from other flags after parsing (out_help then says how). nargs="+" lets --input
+    take several paths."""
     default = f"${input_env}, else a download" if input_env else "a download"
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--input", default=input_env and os.environ.get(input_env),
-                        help=f"the source file (default: {default} of {url})")
+    parser.add_argument("--input", default=input_env and os.environ.get(input_env), nargs=nargs,
+                        help=f"{input_help} (default: {default} of {url})")
     parser.add_argument("--vocab", help="GPT-2's BPE ranks, a gpt2.tiktoken file (default: $GPT2_VOCAB, "
                                         "else tiktoken's download)")
-    parser.add_argument("--out", default=os.path.join(REPO, out), help=f"output directory (default: {out})")
+    parser.add_argument("--out", default=None if out is None else os.path.join(REPO, out),
+                        help=f"output directory (default: {out_help or out or 'the repo root'})")
     return parser
+
+
+@contextmanager
+def reading(path, url=None):
+    """Turn the errors of reading `path` (or, when path is None, downloading `url`) into one-line PrepErrors."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise PrepError(f"{path}: no such file") from None
+    except UnicodeDecodeError:
+        raise PrepError(f"{path or url}: not UTF-8 text") from None
+    except OSError as e:
+        if path:
+            raise PrepError(f"{path}: cannot read ({e.strerror or e})") from None
+        reason = getattr(e, "reason", e)   # urllib's URLError keeps the cause in .reason
+        raise PrepError(f"cannot download {url} ({reason}): pass --input PATH to a local copy") from None
 
 
 def read_text(path, url):
     """The UTF-8 text of `path`, or of `url` when path is None."""
-    try:
+    with reading(path, url):
         if path:
             raw = open(path, "rb")
         else:
@@ -38,15 +63,28 @@ def read_text(path, url):
             raw = urllib.request.urlopen(url, timeout=60)
         with io.TextIOWrapper(raw, encoding="utf-8") as f:   # text mode, as llm.c reads: "\r\n" is "\n"
             return f.read()
-    except FileNotFoundError:
-        raise PrepError(f"{path}: no such file") from None
-    except UnicodeDecodeError:
-        raise PrepError(f"{path or url}: not UTF-8 text") from None
-    except OSError as e:
-        if path:
-            raise PrepError(f"{path}: cannot read ({e.strerror})") from None
-        reason = getattr(e, "reason", e)   # urllib's URLError keeps the cause in .reason
-        raise PrepError(f"cannot download {url} ({reason}): pass --input PATH to a local copy") from None
+
+
+def first_line(e):
+    """An exception's message cut to its first sentence on its first line (network libraries' messages run on)."""
+    message = str(e).strip()
+    return message.splitlines()[0].split(". ")[0].rstrip(".") if message else type(e).__name__
+
+
+def optional(module, extra):
+    """Import a package that only some scripts need; without it, one line naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[0]
+        raise PrepError(f"this needs the {package} package: pip install .[{extra}]") from None
+
+
+def write_shard(path, tokens):
+    """formats.write_shard, with llm.c's line saying what is written."""
+    size = formats.HEADER_BYTES + 2 * len(tokens)
+    print(f"writing {len(tokens):,} tokens to {path} ({size:,} bytes) in the gpt-2 format")
+    formats.write_shard(path, tokens)
 
 
 def run(main):

@@ -13,8 +13,7 @@ import sys
 # run as a script, Python puts data/ on the path; the repo root is needed to import llm and data
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data import REPO, arguments, read_text, run   # noqa: E402
-from llm import formats   # noqa: E402
+from data import REPO, arguments, read_text, run, write_shard   # noqa: E402
 from llm.tokenizer import Tokenizer   # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -38,13 +37,6 @@ def tokenize(text, tokenizer):
         done = min(start + chunk, len(documents))
         print(f"tokenized {done:,}/{len(documents):,} sections ({len(tokens):,} tokens)")
     return tokens
-
-
-def write_shard(path, tokens):
-    """formats.write_shard, with llm.c's line saying what is written."""
-    size = formats.HEADER_BYTES + 2 * len(tokens)
-    print(f"writing {len(tokens):,} tokens to {path} ({size:,} bytes) in the gpt-2 format")
-    formats.write_shard(path, tokens)
 
 
 def main():

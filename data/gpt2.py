@@ -1,0 +1,237 @@
+"""GPT-2's released weights as llm.c's model files: gpt2_124M.bin (fp32), gpt2_124M_bf16.bin, gpt2_tokenizer.bin.
+
+  python data/gpt2.py                                        download gpt2 (124M) from Hugging Face
+  python data/gpt2.py --model gpt2-xl                        gpt2_1558M.bin and gpt2_1558M_bf16.bin
+  python data/gpt2.py --input gpt2/ --vocab gpt2.tiktoken    offline: a model folder, or its model.safetensors
+
+This is what llm.c's train_gpt2.py exports after loading GPT2LMHeadModel, without PyTorch: the tensors of
+Hugging Face's model.safetensors, laid out in llm/layout.py's flat order. Two things change on the way:
+  - Hugging Face's GPT-2 computes its linear layers as Conv1D, x @ W with W stored (in, out); llm.c's
+    matrices are (out, in), as nn.Linear's, so c_attn, c_proj, c_fc and mlp.c_proj are transposed.
+  - wte gets zero rows from V = 50257 up to Vp = 50304, a multiple of 128; their logits are then 0.
+The lm_head is tied to wte (llm.c stores it once), and the causal-mask buffers (h.<l>.attn.bias and
+.masked_bias) are not parameters: all three are skipped. Names may carry the "transformer." prefix.
+
+The sizes come from the tensors: L from the h.<l> layers, C from wte's columns, V from its rows, maxT
+from wpe's rows. NH is --heads, else n_head of a config.json beside the weights, else C / 64 (every
+GPT-2 has head size 64). --model names the size expected and the files written; without it, a local
+model is named after its size (gpt2_124M.bin), or its descriptor for other sizes (gpt2_d2c64h4.bin).
+Needs the optional packages: pip install .[weights].
+"""
+import json
+import os
+import re
+import sys
+
+import numpy as np
+
+# run as a script, Python puts data/ on the path; the repo root is needed to import llm and data
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from data import PrepError, arguments, first_line, optional, run   # noqa: E402
+from llm import formats   # noqa: E402
+from llm.config import DEPTHS, ConfigError, GPT2Config   # noqa: E402
+from llm.layout import ParamViews   # noqa: E402
+from llm.tokenizer import Tokenizer   # noqa: E402
+
+# Hugging Face model -> (llm.c's name for its size, L); llm.config.DEPTHS gives its C and NH
+MODELS = {"gpt2": ("124M", 12), "gpt2-medium": ("355M", 24), "gpt2-large": ("774M", 36), "gpt2-xl": ("1558M", 48)}
+# their configs: maxT = 1024, V = 50257 and Vp = 50304 are GPT2Config's defaults
+NAMED = {name: GPT2Config(num_layers=L, channels=DEPTHS[L][0], num_heads=DEPTHS[L][1])
+         for name, (_, L) in MODELS.items()}
+HUB = "openai-community"
+WEIGHTS = "model.safetensors"
+HEAD_SIZE = 64
+PREFIX = "transformer."
+VOCAB_MULTIPLE = 128
+
+# llm.c's per-layer tensor <- Hugging Face's h.<l>.<name>
+LAYER_TENSORS = {
+    "ln1w": "ln_1.weight", "ln1b": "ln_1.bias",
+    "qkvw": "attn.c_attn.weight", "qkvb": "attn.c_attn.bias",
+    "attprojw": "attn.c_proj.weight", "attprojb": "attn.c_proj.bias",
+    "ln2w": "ln_2.weight", "ln2b": "ln_2.bias",
+    "fcw": "mlp.c_fc.weight", "fcb": "mlp.c_fc.bias",
+    "fcprojw": "mlp.c_proj.weight", "fcprojb": "mlp.c_proj.bias",
+}
+CONV1D = frozenset(("qkvw", "attprojw", "fcw", "fcprojw"))   # stored (in, out): transposed on the way
+MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(masked_)?bias")      # the causal mask, not a parameter
+LM_HEAD = "lm_head.weight"
+# config.json's fields, and the size each one must agree with
+CONFIG_FIELDS = {"n_layer": "num_layers", "n_embd": "channels", "n_positions": "max_seq_len",
+                 "vocab_size": "vocab_size"}
+
+
+def destinations(p, config):
+    """Where each tensor of a GPT-2 model.safetensors goes: {name: (view into the flat buffer, transposed)}.
+
+    Names are without "transformer."; the stored shape is the view's shape, reversed when transposed."""
+    dests = {"wte.weight": (p.wte[:config.vocab_size], False),   # rows V..Vp stay 0
+             "wpe.weight": (p.wpe, False),
+             "ln_f.weight": (p.lnfw, False), "ln_f.bias": (p.lnfb, False)}
+    for l in range(config.num_layers):
+        for name, hf_name in LAYER_TENSORS.items():
+            dests[f"h.{l}.{hf_name}"] = (getattr(p, name)[l], name in CONV1D)
+    return dests
+
+
+def locate(path):
+    """--input: a model.safetensors file, or a folder holding one -> (its path, the config.json beside it or None)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, WEIGHTS)
+    if not os.path.exists(path):
+        raise PrepError(f"{path}: no such file: pass --input PATH to a {WEIGHTS} or a model folder holding one")
+    config_json = os.path.join(os.path.dirname(path), "config.json")
+    return path, config_json if os.path.isfile(config_json) else None
+
+
+def download(model):
+    """Hugging Face's model.safetensors for `model` (cached by huggingface_hub) -> its local path."""
+    hub = optional("huggingface_hub", "weights")
+    repo = f"{HUB}/{model}"
+    print(f"downloading {WEIGHTS} of {repo}")
+    try:
+        return hub.hf_hub_download(repo, WEIGHTS)
+    except Exception as e:   # offline, the errors differ by huggingface_hub version and HTTP library
+        raise PrepError(f"cannot download {repo} ({first_line(e)}): pass --input PATH to a local {WEIGHTS} "
+                        f"or a model folder holding one") from None
+
+
+def tensor_names(keys, path):
+    """{name without "transformer.": stored key} for the parameters; skips the mask buffers and lm_head."""
+    names = {}
+    for key in keys:
+        name = key.removeprefix(PREFIX)
+        if MASK_BUFFER.fullmatch(name) or key == LM_HEAD:
+            continue
+        if name in names:
+            raise PrepError(f"{path}: {name} is stored twice, as {names[name]} and as {key}")
+        names[name] = key
+    return names
+
+
+def infer_config(shapes, heads, config_json, path):
+    """The model's sizes from the tensors' shapes; NH from --heads, else config.json, else C / 64."""
+    for name in ("wte.weight", "wpe.weight"):
+        if name not in shapes:
+            raise PrepError(f"{path}: missing tensor {name}: not a GPT-2 model")
+        if len(shapes[name]) != 2:
+            raise PrepError(f"{path}: {name} has shape {shapes[name]}, expected 2 dimensions")
+    (V, C), maxT = shapes["wte.weight"], shapes["wpe.weight"][0]   # wpe's C is checked with the other shapes
+    layers = [int(m.group(1)) for name in shapes if (m := re.match(r"h\.(\d+)\.", name))]
+    if not layers:
+        raise PrepError(f"{path}: no layers (no h.0.* tensors): not a GPT-2 model")
+    L = max(layers) + 1
+    sizes = dict(num_layers=L, channels=C, max_seq_len=maxT, vocab_size=V)
+    n_head = None
+    if config_json:
+        try:
+            with open(config_json, encoding="utf-8") as f:
+                fields = json.load(f)
+            n_head = int(fields["n_head"])
+            for field, size in CONFIG_FIELDS.items():
+                if field in fields and int(fields[field]) != sizes[size]:
+                    raise PrepError(f"{config_json}: {field} is {fields[field]}, but the tensors of {path} "
+                                    f"have {sizes[size]}")
+        except (OSError, ValueError, KeyError, TypeError) as e:   # json's errors are ValueErrors
+            raise PrepError(f"{config_json}: not a GPT-2 config.json ({type(e).__name__}: {e})") from None
+    NH = heads or n_head or C // HEAD_SIZE
+    Vp = -(-V // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    try:
+        return GPT2Config(padded_vocab_size=Vp, num_heads=NH, **sizes)
+    except ConfigError as e:
+        raise PrepError(f"{path}: {e}: pass --heads NH") from None
+
+
+def size_name(config, model):
+    """llm.c's name for the model's size: "124M" for --model gpt2 (the sizes must be gpt2's), else from the sizes."""
+    if model:
+        want = NAMED[model]
+        if config != want:
+            raise PrepError(f"--model {model} has L={want.num_layers}, C={want.channels}, NH={want.num_heads}, "
+                            f"maxT={want.max_seq_len}, V={want.vocab_size}, but the weights have "
+                            f"L={config.num_layers}, C={config.channels}, NH={config.num_heads}, "
+                            f"maxT={config.max_seq_len}, V={config.vocab_size}: pass the matching --model")
+        return MODELS[model][0]
+    for name, named in NAMED.items():
+        if config == named:
+            return MODELS[name][0]
+    return f"d{config.num_layers}c{config.channels}h{config.num_heads}"
+
+
+def check_tensors(names, shapes, dests, config, path):
+    """Every tensor the model needs is there, with its shape, and there is no other."""
+    for hf_name in dests:
+        if hf_name not in names:
+            raise PrepError(f"{path}: missing tensor {hf_name} (L={config.num_layers}, C={config.channels})")
+    for hf_name, key in names.items():
+        if hf_name not in dests:
+            raise PrepError(f"{path}: unexpected tensor {key}: not part of GPT-2's L={config.num_layers} layers")
+        view, transposed = dests[hf_name]
+        expected = view.shape[::-1] if transposed else view.shape
+        if shapes[hf_name] != expected:
+            raise PrepError(f"{path}: {key} has shape {shapes[hf_name]}, expected {expected}")
+
+
+def read_weights(path, config_json, heads, model):
+    """model.safetensors in Hugging Face's layout -> (config, flat float32 params in llm.c's layout, size name)."""
+    safe_open = optional("safetensors", "weights").safe_open
+    try:
+        f = safe_open(path, framework="np")
+    except Exception as e:   # safetensors' own error type, or an OSError
+        raise PrepError(f"{path}: not a safetensors file ({first_line(e)})") from None
+
+    def load(key):
+        try:
+            return f.get_tensor(key)
+        except Exception as e:   # e.g. a dtype NumPy lacks, such as bf16
+            raise PrepError(f"{path}: cannot read {key} ({first_line(e)}): store the weights as float32") from None
+
+    with f:
+        names = tensor_names(f.keys(), path)
+        shapes = {name: tuple(f.get_slice(key).get_shape()) for name, key in names.items()}
+        config = infer_config(shapes, heads, config_json, path)
+        name = size_name(config, model)
+        params = np.zeros(config.num_parameters, dtype=np.float32)
+        dests = destinations(ParamViews(params, config), config)
+        check_tensors(names, shapes, dests, config, path)
+        for hf_name, (view, transposed) in dests.items():
+            w = load(names[hf_name])
+            view[...] = w.T if transposed else w
+        if LM_HEAD in f.keys() and not np.array_equal(load(LM_HEAD), dests["wte.weight"][0]):
+            raise PrepError(f"{path}: {LM_HEAD} differs from wte.weight: llm.c ties the two, so an untied "
+                            f"head cannot be stored")
+    return config, params, name
+
+
+def main():
+    parser = arguments(__doc__.splitlines()[0], f"{HUB}/<model>'s {WEIGHTS}", "",
+                       input_help=f"a {WEIGHTS} file, or a model folder holding one")
+    parser.add_argument("--model", choices=MODELS,
+                        help="which GPT-2: names the files and checks the sizes (default: gpt2 for a download; "
+                             "for --input, the sizes the weights have)")
+    parser.add_argument("--heads", type=int, help="NH, when there is no config.json and C / 64 is not right")
+    args = parser.parse_args()
+    if args.input:
+        model = args.model
+        path, config_json = locate(args.input)
+    else:
+        model = args.model or "gpt2"
+        path, config_json = download(model), None
+    config, params, name = read_weights(path, config_json, args.heads, model)
+    tokenizer = Tokenizer(args.vocab)
+    os.makedirs(args.out, exist_ok=True)
+    print(f"GPT-2 {name}: L={config.num_layers}, C={config.channels}, NH={config.num_heads}, "
+          f"maxT={config.max_seq_len}, V={config.vocab_size}, Vp={config.padded_vocab_size}: "
+          f"{config.num_parameters:,} parameters")
+    for version, suffix in ((formats.MODEL_VERSION_FP32, ""), (formats.MODEL_VERSION_BF16, "_bf16")):
+        out = os.path.join(args.out, f"gpt2_{name}{suffix}.bin")
+        print(f"writing {out} (version {version}, {formats.MODEL_VERSIONS[version]})")
+        formats.write_model(out, config, params, version)
+    out = os.path.join(args.out, "gpt2_tokenizer.bin")
+    print(f"writing the bytes of {tokenizer.enc.n_vocab:,} tokens to {out}")
+    tokenizer.write_tokenizer_file(out)
+
+
+if __name__ == "__main__":
+    run(main)
