@@ -113,12 +113,15 @@ def main():
                         help="default: cupy when a GPU is usable, else numpy")
     parser.add_argument("--precision", default="auto", choices=["fp32", "bf16", "auto"],
                         help="default: bf16 on cupy, fp32 on numpy")
+    parser.add_argument("--attention", default="auto", choices=["auto", "cudnn"],
+                        help="default: flash attention on the GPU in bf16; cudnn: cuDNN's fused attention")
     parser.add_argument("--model", default="d2c64h4", help="descriptor of the random model (default d2c64h4)")
     args = parser.parse_args()
     if bool(args.e) != bool(args.ds):
         parser.error("-e and -ds go together")
     try:
-        backend = get_backend(args.backend, args.precision, allow_tf32=False)   # fp32 means fp32 here
+        backend = get_backend(args.backend, args.precision, allow_tf32=False,   # fp32 means fp32 here
+                              attention=args.attention)
         if args.e:
             config, params, _ = formats.read_model(args.e)
             state = formats.read_debug_state(args.ds, config)

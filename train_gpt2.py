@@ -63,6 +63,7 @@ FLAGS = {
     "--backend": ("auto", str, "numpy, cupy, or auto (cupy when a GPU is usable)"),
     "--precision": ("auto", str, "fp32 or bf16 (auto: bf16 on the GPU, fp32 on the CPU)"),
     "--comm": ("auto", str, "auto, or nccl: NCCL between GPUs even for a single rank"),
+    "--attention": ("auto", str, "auto (flash attention written here), or cudnn: cuDNN's (pip install .[cudnn])"),
 }
 
 
@@ -136,7 +137,7 @@ def main(argv):
     if args["comm"] == "nccl" and backend_name != "cupy":
         raise UsageError("--comm nccl needs the cupy backend")
     comm = make_comm(gpu=backend_name == "cupy", force_nccl=args["comm"] == "nccl")
-    backend = get_backend(backend_name, precision, allow_tf32=bool(args["f"]))
+    backend = get_backend(backend_name, precision, allow_tf32=bool(args["f"]), attention=args["attention"])
     log0 = print if comm.rank == 0 else (lambda *a, **k: None)
     if args["f"] != 1 and not (backend.name == "cupy" and backend.precision == "fp32"):
         log0(f"note: -f {args['f']} has no effect: TF32 applies to fp32 matmuls on the GPU only")

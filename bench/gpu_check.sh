@@ -2,7 +2,7 @@
 # One pass on a GPU machine: versions, the backend's op checks, test_gpt2 in fp32 and bf16, and the d12
 # throughput benchmark beside torch.compile's. Logs go to $OUT (or ./gpu_logs).
 # Usage: bash bench/gpu_check.sh [stage ...]
-# stages: env ops test bench torch train mpi ckpt (default: env ops test bench torch)
+# stages: env ops test bench torch d48 train mpi ckpt (default: env ops test bench torch)
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
@@ -21,9 +21,18 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     timeout 300 python3 -m pytest -q -x tests/test_cupy_backend.py 2>&1 | tee "$OUT/ops.log" | tail -25 ;;
   test)
     timeout 150 python3 test_gpt2.py --backend cupy --precision fp32 2>&1 | tee "$OUT/test_fp32.log" | tail -32
-    timeout 150 python3 test_gpt2.py --backend cupy --precision bf16 2>&1 | tee "$OUT/test_bf16.log" | tail -32 ;;
-  bench)
-    timeout 300 python3 bench/step.py --backend cupy --model d12 -b 64 -t 1024 --steps 8 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    timeout 150 python3 test_gpt2.py --backend cupy --precision bf16 2>&1 | tee "$OUT/test_bf16.log" | tail -32
+    timeout 150 python3 test_gpt2.py --backend cupy --attention cudnn 2>&1 | tee "$OUT/test_cudnn.log" | tail -32 ;;
+  bench)   # flash attention (the default), cuDNN's, and cuDNN's with -r 2
+    for opts in "" "--attention cudnn" "--attention cudnn -r 2"; do
+      timeout 200 python3 bench/step.py --backend cupy --model d12 -b 64 -t 1024 --steps 8 $opts 2>&1 |
+        tee -a "$OUT/bench.log" | grep -vE "^(step|warm-up)"
+    done ;;
+  d48)     # GPT-2 1.5B: B=16 beside llm.c's figures, then larger batches until one does not fit
+    for b in 16 32 40 48; do
+      timeout 200 python3 bench/step.py --backend cupy --model d48 -b $b -t 1024 --steps 3 2>&1 |
+        tee -a "$OUT/d48.log" | grep -E "^d48|median|memory|Error" | head -4
+    done ;;
   torch)   # the yardstick, same model and batch, same GPU
     timeout 400 python3 bench/torch_gpt2.py --model d12 -b 64 -t 1024 --steps 20 2>&1 | tee "$OUT/torch.log" | tail -3 ;;
   train)   # the same tiny-Shakespeare run on GPU (fp32, bf16) and CPU: the loss curves must agree

@@ -3,7 +3,7 @@ where one step's time goes.
 
     python bench/step.py --backend numpy            GPT-2 124M, B=4, T=64 on the CPU
     python bench/step.py --backend cupy             GPT-2 124M, B=64, T=1024, bf16 on the GPU
-    options: --model d12 -b B -t T --precision bf16|fp32 --steps 6 -r 1
+    options: --model d12 -b B -t T --precision bf16|fp32 --steps 6 -r 1 --attention auto|cudnn
 
 Prints each step's time, the median as `median 1234.5 ms/step`, tok/s and MFU (llm.c's FLOPs per token
 against the device's peak, where known), memory on the GPU (the pool, and the peak that nvidia-smi saw
@@ -31,7 +31,7 @@ from llm.weight_init import init_params  # noqa: E402
 from llm.zero import ZeroOptimizer  # noqa: E402
 
 OPS = ("encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
-       "matmul_backward", "attention_forward", "attention_backward", "gelu_forward", "gelu_backward",
+       "matmul_backward", "matmul_gelu_forward", "matmul_gelu_backward", "attention_forward", "attention_backward", "gelu_forward", "gelu_backward",
        "residual_forward", "fused_classifier", "adamw", "sumsq")
 DEFAULT_BT = {"numpy": (4, 64), "cupy": (64, 1024)}
 
@@ -106,12 +106,16 @@ def main():
     parser.add_argument("-t", type=int, help="sequence length (default 64 on numpy, 1024 on cupy)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps, after two warm-up steps")
     parser.add_argument("-r", type=int, default=1, help="recompute: 0 none, 1 GELU, 2 GELU and layernorms")
+    parser.add_argument("--attention", default="auto", choices=["auto", "cudnn"])
     args = parser.parse_args()
-    backend = get_backend(args.backend, args.precision)
+    backend = get_backend(args.backend, args.precision, attention=args.attention)
     B, T = args.b or DEFAULT_BT[backend.name][0], args.t or DEFAULT_BT[backend.name][1]
     config = GPT2Config.from_descriptor(args.model)
     model = GPT2(config, backend, recompute=args.r)
-    model.load_params(init_params(config))
+    if config.num_parameters < 400_000_000:
+        model.load_params(init_params(config))
+    else:   # llm.c's init would take minutes on the host; the timing does not depend on the values
+        model.load_params(np.random.default_rng(0).standard_normal(config.num_parameters, np.float32) * 0.02)
     optimizer = ZeroOptimizer(model, SingleComm(), zero_stage=0, weight_decay=0.0)
     guard = UpdateGuard()
     timer = OpTimer(backend)
@@ -125,7 +129,8 @@ def main():
         backend.synchronize()
         return result, (time.perf_counter() - t0) * 1000
 
-    print(f"{args.model} B={B} T={T} {backend.precision} -r {args.r} on {backend.device_name()}: "
+    print(f"{args.model} B={B} T={T} {backend.precision} -r {args.r} attention "
+          f"{getattr(backend, 'attention', 'naive')} on {backend.device_name()}: "
           f"activations {model.activations(B, T).nbytes / 2**20:,.0f} MiB")
     for t in (1, 2):   # warm-up: compiles every kernel, fills the memory pool
         print(f"warm-up step {t}: loss {step(t)[0].loss:.4f}")

@@ -25,7 +25,7 @@ class Activations:
       proj (C)      the attention and MLP projections' outputs, before the residual adds them (forward)
       datty (C)     the gradient at attention's output (backward; shares proj's place)
       dqkv (3C)     the gradient at qkv
-      dfch (4C)     the gradient at fch, and at fch_gelu just before (gelu_backward runs in place)
+      dfch (4C)     the gradient at fch
       gelu (4C)     fch_gelu of the current layer, when it is recomputed
       ln (C)        ln1 or ln2 of the current layer, when they are recomputed
     as in llm.c, whose "output" buffer serves the same turns."""
@@ -148,8 +148,7 @@ class GPT2:
             be.matmul_forward(a.proj, a.atty[l], p.attprojw[l], p.attprojb[l])
             be.residual_forward(a.residual2[l], residual, a.proj)
             be.layernorm_forward(ln2, a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l], p.ln2w[l], p.ln2b[l])
-            be.matmul_forward(a.fch[l], ln2, p.fcw[l], p.fcb[l])
-            be.gelu_forward(fch_gelu, a.fch[l])
+            be.matmul_gelu_forward(a.fch[l], fch_gelu, ln2, p.fcw[l], p.fcb[l])
             be.matmul_forward(a.proj, fch_gelu, p.fcprojw[l], p.fcprojb[l])
             be.residual_forward(a.residual3[l], a.residual2[l], a.proj)
         be.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], p.lnfw, p.lnfb)
@@ -196,8 +195,7 @@ class GPT2:
             # dresidual = dloss/d residual3[l]: flows to fcproj's output and, unchanged, to residual2
             if self.recompute >= 1:
                 be.gelu_forward(fch_gelu, a.fch[l])
-            be.matmul_backward(a.dfch, g.fcprojw[l], g.fcprojb[l], a.dresidual, fch_gelu, p.fcprojw[l])
-            be.gelu_backward(a.dfch, a.fch[l], a.dfch)
+            be.matmul_gelu_backward(a.dfch, g.fcprojw[l], g.fcprojb[l], a.dresidual, fch_gelu, p.fcprojw[l], a.fch[l])
             if self.recompute >= 2:
                 be.layernorm_forward(ln2, a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l], p.ln2w[l], p.ln2b[l])
             be.matmul_backward(a.dln, g.fcw[l], g.fcb[l], a.dfch, ln2, p.fcw[l])

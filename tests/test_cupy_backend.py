@@ -33,6 +33,12 @@ SHAPES = {"small": dict(B=2, T=32, C=64, NH=4), "gpt2": dict(B=2, T=1024, C=768,
 REF = NumpyBackend()
 
 
+def REF_GELU(x):
+    out = np.empty_like(x)
+    REF.gelu_forward(out, x)
+    return out
+
+
 @pytest.fixture(scope="module", params=["fp32", "bf16"])
 def gpu(request):
     return CupyBackend(request.param, allow_tf32=False)
@@ -141,6 +147,22 @@ def test_matmul_forward_and_backward(gpu, shape, layer):
     assert_close(gpu, compare(gpu, "matmul_backward", [dinp, dw, dbias, dout, inp, w], check, poison=[0]))
 
 
+def test_matmul_with_gelu_fused_forward_and_backward(gpu, shape):
+    """The fc layer's GEMM with bias and GELU in its epilogue, and the fcproj backward that applies GELU's
+    derivative in its epilogue, against the NumPy backend's matmul then gelu."""
+    rng = np.random.default_rng(11)
+    B, T, C = shape["B"], shape["T"], shape["C"]
+    inp, w, bias = randn(rng, B, T, C), randn(rng, 4 * C, C, scale=C ** -0.5), randn(rng, 4 * C, scale=0.5)
+    out, gelu_out = np.zeros((B, T, 4 * C), np.float32), np.zeros((B, T, 4 * C), np.float32)
+    assert_close(gpu, compare(gpu, "matmul_gelu_forward", [out, gelu_out, inp, w, bias], [0, 1], poison=[0, 1]))
+    pre = randn(rng, B, T, 4 * C)
+    gelu_inp = REF_GELU(rounded(gpu, pre))
+    dinp, dw, dbias = np.zeros((B, T, 4 * C), np.float32), randn(rng, C, 4 * C), randn(rng, C)
+    dout, w2 = randn(rng, B, T, C), randn(rng, C, 4 * C, scale=(4 * C) ** -0.5)
+    assert_close(gpu, compare(gpu, "matmul_gelu_backward", [dinp, dw, dbias, dout, gelu_inp, w2, pre], [0, 1, 2],
+                              poison=[0]))
+
+
 def run_attention(backend, qkv, dout, NH, dtype, poison=False):
     """Forward then backward on one backend; returns (out, dqkv) on the host as float32."""
     B, T, C3 = qkv.shape
@@ -168,13 +190,23 @@ def test_attention_forward_and_backward(gpu, shape):
     assert_close(gpu, errors)
 
 
+def cudnn_usable():
+    try:
+        import llm.backends.cudnn_attention  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.mark.parametrize("attention", ["flash", pytest.param("cudnn", marks=pytest.mark.skipif(
+    not cudnn_usable(), reason="needs cuDNN's frontend (pip install .[cudnn])"))])
 @pytest.mark.parametrize("T, NH, hs", [(1, 2, 64), (37, 2, 64), (100, 3, 16), (129, 2, 32), (1024, 2, 64)])
-def test_flash_attention_matches_the_naive_attention_at_odd_sizes(T, NH, hs):
-    """bf16 flash attention against the float64 naive reference: T not a multiple of the 64-row tiles,
-    T = 1, head sizes 16, 32 and 64. It also runs twice to the same bits (no atomics), and its saved lse
-    is the log-sum-exp of each row's causal scores."""
+def test_fused_attention_matches_the_naive_attention_at_odd_sizes(attention, T, NH, hs):
+    """bf16 flash attention (and cuDNN's) against the float64 naive reference: T not a multiple of the
+    64-row tiles, T = 1, head sizes 16, 32 and 64. It also runs twice to the same bits (no atomics), and
+    flash attention's saved lse is the log-sum-exp of each row's causal scores."""
     import reference as ref_math
-    gpu = CupyBackend("bf16")
+    gpu = CupyBackend("bf16", attention=attention)
     rng = np.random.default_rng(T)
     B, C = 2, NH * hs
     qkv, dout = rounded(gpu, randn(rng, B, T, 3 * C)), rounded(gpu, randn(rng, B, T, C))
@@ -196,7 +228,7 @@ def test_flash_attention_matches_the_naive_attention_at_odd_sizes(T, NH, hs):
     scores = np.where(np.tril(np.ones((T, T), bool)), q @ k.swapaxes(-1, -2) / np.sqrt(hs), -np.inf)
     lse64 = np.logaddexp.reduce(scores, axis=-1)
     errors = {"out": rel_err(out, out64), "dqkv": rel_err(dqkv, dqkv64), "lse": rel_err(lse, lse64)}
-    print(f"flash attention      bf16 B={B} T={T} NH={NH} hs={hs}: "
+    print(f"{attention} attention      bf16 B={B} T={T} NH={NH} hs={hs}: "
           + ", ".join(f"{k} {e:.2e}" for k, e in errors.items()))
     assert errors["out"] < 1e-2 and errors["dqkv"] < 2e-2 and errors["lse"] < 1e-3
 

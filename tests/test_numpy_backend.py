@@ -107,6 +107,21 @@ def test_matmul_backward_overwrites_dinp_and_accumulates_dw_and_dbias(be, rng, h
             np.testing.assert_allclose(dbias, dbias0 + calls * dbias_ref, rtol=1e-6, atol=1e-6)
 
 
+def test_matmul_gelu_forward_and_backward_equal_the_matmul_then_gelu(be, rng):
+    x, w, bias = randn(rng, B, T, C), randn(rng, 4 * C, C), randn(rng, 4 * C)
+    out, gelu_out = nans(B, T, 4 * C), nans(B, T, 4 * C)
+    be.matmul_gelu_forward(out, gelu_out, x, w, bias)
+    np.testing.assert_array_equal(out, ref.matmul_forward(x, w, bias))
+    np.testing.assert_array_equal(gelu_out, ref.gelu_forward(out))
+    w2, dout, dw0, db0 = randn(rng, C, 4 * C), randn(rng, B, T, C), randn(rng, C, 4 * C), randn(rng, C)
+    dinp, dw, db = nans(B, T, 4 * C), dw0.copy(), db0.copy()
+    be.matmul_gelu_backward(dinp, dw, db, dout, gelu_out, w2, out)
+    dgelu, dw_ref, db_ref = ref.matmul_backward(dout, gelu_out, w2, has_bias=True)
+    np.testing.assert_array_equal(dinp, ref.gelu_backward(dgelu, out))
+    np.testing.assert_array_equal(dw, dw0 + dw_ref)
+    np.testing.assert_array_equal(db, db0 + db_ref)
+
+
 def test_attention_forward_writes_out_and_keeps_the_probabilities(be, rng):
     qkv = randn(rng, B, T, 3 * C)
     shape, dtype = be.attention_saved_shape(B, T, NH)

@@ -26,6 +26,9 @@ its dinp is the residual stream's gradient, which already holds the skip connect
   layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd)   all three +=
   matmul_forward(out, inp, w, bias)              out(B,T,OC) = inp(B,T,C) @ w(OC,C)^T + bias(OC) (bias may be None)
   matmul_backward(dinp, dw, dbias, dout, inp, w) dinp = dout @ w;  dw += dout^T @ inp;  dbias += sum dout
+  matmul_gelu_forward(out, gelu_out, inp, w, bias)   matmul_forward, then gelu_out = gelu(out) (one fused GEMM)
+  matmul_gelu_backward(dinp, dw, dbias, dout, inp, w, pre_gelu)   the matmul after a GELU: matmul_backward,
+                                                 then dinp *= gelu'(pre_gelu), inp = gelu(pre_gelu)
   attention_saved_shape(B, T, NH)                (shape, dtype) of what attention keeps for backward: the
                                                  probabilities (B,NH,T,T), or flash attention's lse (B,NH,T)
   attention_forward(out, saved, qkv, NH)         qkv (B,T,3C) -> out (B,T,C), causal; saved: the kept buffer
@@ -77,9 +80,16 @@ def resolve(name="auto", precision="auto"):
     return name, precision
 
 
-def get_backend(name="auto", precision="auto", allow_tf32=True):
-    """Build a backend (names and precisions as resolve()). Only the cupy backend imports cupy."""
+def get_backend(name="auto", precision="auto", allow_tf32=True, attention="auto"):
+    """Build a backend (names and precisions as resolve()). Only the cupy backend imports cupy.
+
+    attention: auto (flash attention in bf16 on the GPU, the naive one in fp32 and on the CPU), or cudnn:
+    cuDNN's fused attention, bf16 on the GPU only."""
     name, precision = resolve(name, precision)
+    if attention not in ("auto", "cudnn"):
+        raise BackendError(f"unknown attention '{attention}': choose auto or cudnn")
+    if attention == "cudnn" and (name, precision) != ("cupy", "bf16"):
+        raise BackendError("--attention cudnn runs in bf16 on the GPU only (--backend cupy --precision bf16)")
     if name == "numpy":
         from .numpy_backend import NumpyBackend
         return NumpyBackend()
@@ -87,4 +97,8 @@ def get_backend(name="auto", precision="auto", allow_tf32=True):
     if missing:
         raise BackendError(missing)
     from .cupy_backend import CupyBackend
-    return CupyBackend(precision=precision, allow_tf32=allow_tf32)
+    try:
+        return CupyBackend(precision=precision, allow_tf32=allow_tf32,
+                           attention="cudnn" if attention == "cudnn" else "flash")
+    except ImportError as e:   # the cudnn option's package
+        raise BackendError(str(e)) from None

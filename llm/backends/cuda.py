@@ -1,4 +1,4 @@
-"""The GPU plumbing under the cupy backend: compiled kernels, scratch buffers and cuBLAS's GEMM.
+"""The GPU plumbing under the cupy backend: compiled kernels, scratch buffers, cuBLAS's and cuBLASLt's GEMMs.
 
 cupy_backend.py launches the ops; this file holds what every launcher needs and no op of its own.
 
@@ -12,6 +12,7 @@ column-major out^T (OC x N) = w (OC x C) @ inp^T (C x N). cuBLAS sees w's memory
 with op T, and inp's memory as inp^T, so inp goes in as is: gemm(T, N, m=OC, n=N, k=C). Each caller
 spells its own mapping.
 """
+import ctypes
 import importlib.resources
 
 import numpy as np
@@ -112,3 +113,113 @@ class Blas:
                                         A.data.ptr, a_type, lda, stride_a, B.data.ptr, b_type, ldb, stride_b,
                                         beta, C.data.ptr, c_type, ldc, stride_c, batch,
                                         compute, cublas.CUBLAS_GEMM_DEFAULT)
+
+
+class BlasLt:
+    """cuBLASLt's matmul through ctypes (CuPy wraps only cuBLAS): a GEMM whose epilogue adds a bias, applies
+    GELU and keeps its input (GELU_AUX_BIAS), or multiplies by GELU's derivative (DGELU), inside the GEMM
+    itself, so the Linear layers' bias and GELU cost no separate pass over memory (llm.c's gelu_fusion).
+
+    lt.matmul(...) computes D = alpha op(A) op(B) + beta D, column-major (m x n), as Blas.gemm. A plan (the
+    operation, the matrix layouts and the algorithm cuBLASLt's heuristic picks) is made once per shape."""
+
+    # enum values from cublasLt.h
+    TRANSA, TRANSB, EPILOGUE, BIAS_POINTER, AUX_POINTER, AUX_LD = 3, 4, 7, 8, 11, 12
+    EPILOGUES = {"none": 1, "bias": 4, "gelu_aux_bias": 32 | 128 | 4, "dgelu": 64 | 128}
+    MAX_WORKSPACE, MIN_ALIGNMENTS = 1, (5, 6, 7, 8)   # preferences: workspace, A, B, C, D alignment in bytes
+    WORKSPACE = 32 << 20
+
+    class Heuristic(ctypes.Structure):   # cublasLtMatmulHeuristicResult_t
+        _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                    ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+    def __init__(self, allow_tf32):
+        self.lib = self._load()
+        self.handle = ctypes.c_void_p()
+        self._check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.fp32_compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32 else cublas.CUBLAS_COMPUTE_32F
+        self.workspace = cupy.empty(self.WORKSPACE, cupy.uint8)
+        self.plans = {}
+        self.scalars = {v: np.array(v, np.float32) for v in (0.0, 1.0)}
+
+    @staticmethod
+    def _load():
+        for name in ("libcublasLt.so.13", "libcublasLt.so.12"):   # already loaded with CuPy's cuBLAS
+            try:
+                return ctypes.CDLL(name)
+            except OSError:
+                pass
+        from cuda import pathfinder
+        return ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("cublasLt").abs_path)
+
+    @staticmethod
+    def _check(status, what):
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+    def _set(self, desc, attribute, value):
+        self._check(self.lib.cublasLtMatmulDescSetAttribute(desc, attribute, ctypes.byref(value),
+                                                            ctypes.c_size_t(ctypes.sizeof(value))),
+                    "cublasLtMatmulDescSetAttribute")
+
+    def _layout(self, dtype, rows, cols, ld):
+        layout = ctypes.c_void_p()
+        self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), CUDA_TYPES[dtype], ctypes.c_uint64(rows),
+                                                        ctypes.c_uint64(cols), ctypes.c_int64(ld)),
+                    "cublasLtMatrixLayoutCreate")
+        return layout
+
+    def _plan(self, key):
+        if key not in self.plans:
+            transa, transb, m, n, k, lda, ldb, ldc, a_type, b_type, d_type, epilogue, aux_ld = key
+            desc = ctypes.c_void_p()
+            compute = self.fp32_compute if a_type == FP32 else cublas.CUBLAS_COMPUTE_32F
+            self._check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), compute, CUDA_TYPES[FP32]),
+                        "cublasLtMatmulDescCreate")
+            self._set(desc, self.TRANSA, ctypes.c_int32(Blas.OPS[transa]))
+            self._set(desc, self.TRANSB, ctypes.c_int32(Blas.OPS[transb]))
+            self._set(desc, self.EPILOGUE, ctypes.c_uint32(self.EPILOGUES[epilogue]))
+            if aux_ld:
+                self._set(desc, self.AUX_LD, ctypes.c_int64(aux_ld))
+            layouts = (self._layout(a_type, *((m, k) if transa == "N" else (k, m)), lda),
+                       self._layout(b_type, *((k, n) if transb == "N" else (n, k)), ldb),
+                       self._layout(d_type, m, n, ldc))
+            # Views into the flat buffers (a layer's weights, its bias) are 16-byte aligned, not 256 as
+            # cuBLASLt assumes unless told; the heuristic also reads the bias and aux pointers' alignment.
+            preference = ctypes.c_void_p()
+            self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "PreferenceCreate")
+            for attribute, value in ((self.MAX_WORKSPACE, ctypes.c_size_t(self.WORKSPACE)),
+                                     *((a, ctypes.c_uint32(16)) for a in self.MIN_ALIGNMENTS)):
+                self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(
+                    preference, attribute, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value))),
+                    "PreferenceSetAttribute")
+            for attribute in self._pointers(epilogue):
+                self._set(desc, attribute, ctypes.c_void_p(16))
+            result, found = self.Heuristic(), ctypes.c_int(0)
+            self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, layouts[0], layouts[1], layouts[2],
+                                                                layouts[2], preference, 1, ctypes.byref(result),
+                                                                ctypes.byref(found)), "AlgoGetHeuristic")
+            if found.value == 0:
+                raise RuntimeError(f"cuBLASLt has no algorithm for the matmul {key}")
+            self.plans[key] = (desc, layouts, result)
+        return self.plans[key]
+
+    def _pointers(self, epilogue):
+        """The pointers an epilogue reads or writes, in the order (bias, aux); the others must stay NULL."""
+        return {"none": (), "bias": (self.BIAS_POINTER,), "gelu_aux_bias": (self.BIAS_POINTER, self.AUX_POINTER),
+                "dgelu": (self.AUX_POINTER,)}[epilogue]
+
+    def matmul(self, transa, transb, m, n, k, A, lda, B, ldb, D, ldc, beta=0.0, epilogue="none", bias=None,
+               aux=None, aux_ld=0):
+        """D = op(A) op(B) + beta D, then the epilogue: "bias" adds bias (m), "gelu_aux_bias" adds bias,
+        writes the sum to aux and its GELU to D, "dgelu" multiplies by GELU's derivative at aux."""
+        desc, (a_layout, b_layout, d_layout), result = self._plan(
+            (transa, transb, m, n, k, lda, ldb, ldc, A.dtype, B.dtype, D.dtype, epilogue, aux_ld))
+        for attribute, array in zip(self._pointers(epilogue), [x for x in (bias, aux) if x is not None]):
+            self._set(desc, attribute, ctypes.c_void_p(array.data.ptr))
+        self._check(self.lib.cublasLtMatmul(
+            self.handle, desc, self.scalars[1.0].ctypes.data_as(ctypes.c_void_p), ctypes.c_void_p(A.data.ptr),
+            a_layout, ctypes.c_void_p(B.data.ptr), b_layout, self.scalars[beta].ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_void_p(D.data.ptr), d_layout, ctypes.c_void_p(D.data.ptr), d_layout, ctypes.byref(result.algo),
+            ctypes.c_void_p(self.workspace.data.ptr), ctypes.c_size_t(self.WORKSPACE),
+            ctypes.c_void_p(cupy.cuda.get_current_stream().ptr)), "cublasLtMatmul")

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import cupy
 
-from .cuda import BF16, BLOCK, FP32, Blas, Kernels, Scratch, blocks, check_int32, check_packs
+from .cuda import BF16, BLOCK, FP32, Blas, BlasLt, Kernels, Scratch, blocks, check_int32, check_packs
 
 FLASH_TILE, FLASH_THREADS = 64, 128   # flash_attention.cu's BQ = BK and its 4 warps
 FLASH_HEAD_SIZES = (16, 32, 64)       # the head sizes its kernels are built for
@@ -29,15 +29,20 @@ class CupyBackend:
     name = "cupy"
     xp = cupy
 
-    def __init__(self, precision="bf16", allow_tf32=True):
+    def __init__(self, precision="bf16", allow_tf32=True, attention="flash"):
         if precision not in ("bf16", "fp32"):
             raise ValueError(f"unknown precision '{precision}': choose bf16 or fp32")
         self.precision = precision
+        self.attention = "naive" if precision == "fp32" else attention
+        if self.attention == "cudnn":
+            from .cudnn_attention import CudnnAttention
+            self.cudnn = CudnnAttention()
         self.dtype = BF16 if precision == "bf16" else FP32
         device = cupy.cuda.Device()
         self.num_sms = device.attributes["MultiProcessorCount"]
         self.max_shared = device.attributes["MaxSharedMemoryPerBlockOptin"]
-        self.kernels, self.scratch, self.blas = Kernels(), Scratch(), Blas(allow_tf32)
+        self.kernels, self.scratch = Kernels(), Scratch()
+        self.blas, self.lt = Blas(allow_tf32), BlasLt(allow_tf32)
 
     # ---------------------------------------------------------------- arrays
 
@@ -139,25 +144,49 @@ class CupyBackend:
         self._add_partial_sums(db, partial.reshape(-1)[C:], grid, 2 * C)
 
     # ---------------------------------------------------------------- matmul
+    # Through cuBLASLt (cuda.py), whose epilogues add the bias, and in bf16 apply GELU or its derivative,
+    # inside the GEMM. In fp32, the checking precision, GELU stays our own kernel, exactly the reference's.
 
     def matmul_forward(self, out, inp, w, bias):
-        # out (N, OC) = inp (N, C) @ w^T, w (OC, C); column-major: out^T = op_T(w) inp^T
+        # out (N, OC) = inp (N, C) @ w^T + bias, w (OC, C); column-major: out^T = op_T(w) inp^T
         OC, C = w.shape
         N = inp.size // C
-        beta = 0.0
-        if bias is not None:
-            check_packs((out, bias), OC=OC)
-            pack = 16 // out.dtype.itemsize
-            self._kernel("matmul", "bias_broadcast")((blocks(N * OC // pack),), (BLOCK,), (out, bias, N, np.int32(OC)))
-            beta = 1.0
-        self.blas.gemm("T", "N", OC, N, C, w, C, inp, C, out, OC, beta=beta)
+        self.lt.matmul("T", "N", OC, N, C, w, C, inp, C, out, OC, epilogue="none" if bias is None else "bias",
+                       bias=bias)
+
+    def matmul_gelu_forward(self, out, gelu_out, inp, w, bias):
+        # out = inp @ w^T + bias, gelu_out = gelu(out): one GEMM whose epilogue keeps its input (aux)
+        if self.dtype != BF16:
+            self.matmul_forward(out, inp, w, bias)
+            self.gelu_forward(gelu_out, out)
+            return
+        OC, C = w.shape
+        N = inp.size // C
+        self.lt.matmul("T", "N", OC, N, C, w, C, inp, C, gelu_out, OC, epilogue="gelu_aux_bias", bias=bias,
+                       aux=out, aux_ld=OC)
 
     def matmul_backward(self, dinp, dw, dbias, dout, inp, w):
         # dinp = dout @ w (overwritten), dw += dout^T @ inp, dbias += column sums of dout
         OC, C = w.shape
         N = inp.size // C
-        self.blas.gemm("N", "N", C, N, OC, w, C, dout, OC, dinp, C)              # dinp^T = w^T dout^T
-        self.blas.gemm("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)    # dw^T += inp^T dout
+        self.lt.matmul("N", "N", C, N, OC, w, C, dout, OC, dinp, C)       # dinp^T = w^T dout^T
+        self._weight_gradients(dw, dbias, dout, inp)
+
+    def matmul_gelu_backward(self, dinp, dw, dbias, dout, inp, w, pre_gelu):
+        # the layer after a GELU: dinp = gelu'(pre_gelu) * (dout @ w), its derivative applied by the epilogue
+        if self.dtype != BF16:
+            self.matmul_backward(dinp, dw, dbias, dout, inp, w)
+            self.gelu_backward(dinp, pre_gelu, dinp)
+            return
+        OC, C = w.shape
+        N = inp.size // C
+        self.lt.matmul("N", "N", C, N, OC, w, C, dout, OC, dinp, C, epilogue="dgelu", aux=pre_gelu, aux_ld=C)
+        self._weight_gradients(dw, dbias, dout, inp)
+
+    def _weight_gradients(self, dw, dbias, dout, inp):
+        OC, C = dw.shape
+        N = inp.size // C
+        self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)   # dw^T += inp^T dout
         if dbias is not None:
             check_packs((dout,), OC=OC)
             pack = 16 // dout.dtype.itemsize
@@ -170,7 +199,8 @@ class CupyBackend:
 
     # ---------------------------------------------------------------- attention
     # bf16: flash attention (kernels/flash_attention.cu): it keeps only the output and each row's
-    # log-sum-exp (B, NH, T) in fp32, and the backward recomputes the probabilities tile by tile.
+    # log-sum-exp (B, NH, T) in fp32, and the backward recomputes the probabilities tile by tile; or, with
+    # attention="cudnn", cuDNN's fused attention on the same buffers (cudnn_attention.py).
     # fp32, the checking precision: the naive attention around cuBLAS (kernels/attention.cu), exact to fp32,
     # which keeps att, the (B, NH, T, T) probabilities.
 
@@ -181,13 +211,16 @@ class CupyBackend:
 
     def _head_size(self, qkv, NH):
         hs = qkv.shape[-1] // 3 // NH
-        if self.dtype == BF16 and hs not in FLASH_HEAD_SIZES:
+        if self.attention == "flash" and hs not in FLASH_HEAD_SIZES:
             raise ValueError(f"flash attention is built for head sizes {FLASH_HEAD_SIZES}, got {hs} (C / NH)")
         return hs
 
     def attention_forward(self, out, saved, qkv, NH):
         B, T, _ = qkv.shape
         hs = self._head_size(qkv, NH)
+        if self.attention == "cudnn":
+            self.cudnn.forward(out, saved, qkv, NH)
+            return
         if self.dtype == BF16:
             check_packs((out, qkv), hs=hs)
             self._kernel("flash_attention", f"flash_forward_hs{hs}")(
@@ -212,6 +245,9 @@ class CupyBackend:
         B, T, _ = qkv.shape
         hs = self._head_size(qkv, NH)
         scale = 1.0 / math.sqrt(hs)
+        if self.attention == "cudnn":
+            self.cudnn.backward(dqkv, dout, qkv, out, saved, NH)
+            return
         if self.dtype == BF16:
             # D = rowsum(dout * out), then dK and dV per key tile, dQ per query tile (deterministic sums)
             check_packs((dqkv, dout, qkv, out), hs=hs)

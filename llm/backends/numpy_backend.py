@@ -65,6 +65,14 @@ class NumpyBackend:
         if dbias is not None:
             dbias += dbias_
 
+    def matmul_gelu_forward(self, out, gelu_out, inp, w, bias):
+        self.matmul_forward(out, inp, w, bias)
+        self.gelu_forward(gelu_out, out)
+
+    def matmul_gelu_backward(self, dinp, dw, dbias, dout, inp, w, pre_gelu):
+        self.matmul_backward(dinp, dw, dbias, dout, inp, w)
+        self.gelu_backward(dinp, pre_gelu, dinp)
+
     def attention_saved_shape(self, B, T, NH):
         return (B, NH, T, T), np.float32     # the softmax probabilities att
 

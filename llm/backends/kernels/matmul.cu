@@ -1,15 +1,6 @@
-// The parts of a Linear layer that cuBLAS does not do: the bias in the forward and the bias gradient in the
-// backward (its per-block partial sums are added up by reduce.cu's add_partial_sums).
+// The part of a Linear layer that cuBLAS does not do: the bias gradient in the backward (cuBLASLt's epilogue
+// adds the bias in the forward). Its per-block partial sums are added up by reduce.cu's add_partial_sums.
 #include "common.cuh"
-
-// out[r,:] = bias for each of the N rows. cuBLAS then adds inp @ w^T on top with beta = 1, so the bias is
-// added in float inside the matmul and the result is rounded once. One thread per pack: N*OC/PACK threads.
-extern "C" __global__ void bias_broadcast(floatX* out, const floatX* bias, long long N, int OC) {
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const int packs = OC / PACK;
-    if (idx >= N * packs) return;
-    store_pack(out + idx * PACK, load_pack(bias + (idx % packs) * PACK));
-}
 
 // Column sums of dout (N, OC) in float, first stage. Blocks of (32, 8) threads: threadIdx.x and blockIdx.x
 // pick a pack of columns (32 packs per block), and the 8 * gridDim.y threads (threadIdx.y, blockIdx.y)
