@@ -69,6 +69,14 @@ __device__ __forceinline__ void cp_async16(bf16* dst, const bf16* src, bool vali
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// 2^x by the special-function unit in one instruction (exp2f without fast math adds range handling);
+// ex2.approx(-inf) = 0, which is what the causal mask relies on.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);   // lo in the low half: the lower column
     return *reinterpret_cast<unsigned*>(&v);
@@ -176,19 +184,20 @@ __device__ void flash_forward(bf16* out, float* lse, const bf16* qkv, int T, int
             float s[BK / 8][4] = {};
             mul_rows_by_tile_t<HS, BK>(s, qf, sK[cur]);
             float tile_max[2] = {-INF, -INF};
+            const bool diagonal = k0 + BK - 1 > row0;   // else no key of the tile comes after a query here
             #pragma unroll
             for (int nt = 0; nt < BK / 8; nt++)
                 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const int row = row0 + g + 8 * (i / 2), key = k0 + 8 * nt + 2 * q + i % 2;
-                    s[nt][i] = key <= row ? s[nt][i] * scale_log2 : -INF;   // the causal mask
+                    s[nt][i] = diagonal && key > row ? -INF : s[nt][i] * scale_log2;   // the causal mask
                     tile_max[i / 2] = fmaxf(tile_max[i / 2], s[nt][i]);
                 }
             #pragma unroll
             for (int r = 0; r < 2; r++) {   // the online softmax: rescale what came before to the new max
                 tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
                 tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-                const float new_m = fmaxf(m[r], tile_max[r]), rescale = exp2f(m[r] - new_m);
+                const float new_m = fmaxf(m[r], tile_max[r]), rescale = fast_exp2(m[r] - new_m);
                 m[r] = new_m;
                 l[r] *= rescale;
                 #pragma unroll
@@ -201,7 +210,7 @@ __device__ void flash_forward(bf16* out, float* lse, const bf16* qkv, int T, int
             for (int nt = 0; nt < BK / 8; nt++)
                 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    s[nt][i] = exp2f(s[nt][i] - m[i / 2]);   // masked: exp2(-inf) = 0
+                    s[nt][i] = fast_exp2(s[nt][i] - m[i / 2]);   // masked: exp2(-inf) = 0
                     l[i / 2] += s[nt][i];
                 }
             mul_tiles_by_tile<HS, BK>(o, s, sV[cur]);
@@ -299,12 +308,13 @@ __device__ void flash_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv
             float p[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
             mul_rows_by_tile_t<HS, BQ>(p, kf, tQ);    // S^T
             mul_rows_by_tile_t<HS, BQ>(dp, vf, tdO);  // dP^T
+            const bool diagonal = t0 < key0 + 15;      // else every query of the tile sees every key here
             #pragma unroll
             for (int nt = 0; nt < BQ / 8; nt++)
                 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const int key = key0 + g + 8 * (j / 2), col = 8 * nt + 2 * q + j % 2;
-                    p[nt][j] = t0 + col >= key ? exp2f(p[nt][j] * scale_log2 - tL[col]) : 0.0f;
+                    p[nt][j] = diagonal && t0 + col < key ? 0.0f : fast_exp2(p[nt][j] * scale_log2 - tL[col]);
                     dp[nt][j] = p[nt][j] * (dp[nt][j] - tD[col]);   // dS^T
                 }
             mul_tiles_by_tile<HS, BQ>(dv, p, tdO);
@@ -375,12 +385,13 @@ __device__ void flash_backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv,
             float p[BK / 8][4] = {}, dp[BK / 8][4] = {};
             mul_rows_by_tile_t<HS, BK>(p, qf, sK[cur]);    // S
             mul_rows_by_tile_t<HS, BK>(dp, dof, sV[cur]);  // dP
+            const bool diagonal = k0 + BK - 1 > row0;
             #pragma unroll
             for (int nt = 0; nt < BK / 8; nt++)
                 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const int row = row0 + g + 8 * (i / 2), key = k0 + 8 * nt + 2 * q + i % 2;
-                    p[nt][i] = key <= row ? exp2f(p[nt][i] * scale_log2 - L[i / 2]) : 0.0f;
+                    p[nt][i] = diagonal && key > row ? 0.0f : fast_exp2(p[nt][i] * scale_log2 - L[i / 2]);
                     dp[nt][i] = p[nt][i] * (dp[nt][i] - Drow[i / 2]);   // dS
                 }
             mul_tiles_by_tile<HS, BK>(dq, dp, sK[cur]);
