@@ -110,9 +110,9 @@ class GPT2:
 
     # ---- parameters in and out (host float32, the checkpoint's layout) ----
     def load_params(self, flat):
-        """Set the parameters from a host float32 array of num_parameters elements."""
-        self.params_flat[:self.config.num_parameters] = self.backend.asarray(
-            np.asarray(flat, np.float32)).astype(self.backend.dtype)
+        """Set the parameters from a host float32 array of num_parameters elements (rounded to the
+        parameters' type on the host, so the device never holds a float32 copy)."""
+        self.params_flat[:self.config.num_parameters] = self.backend.asarray(flat, self.backend.dtype)
 
     def params_numpy(self):
         return self.backend.to_numpy(self.params_flat[:self.config.num_parameters]).astype(np.float32)

@@ -83,7 +83,7 @@ class ZeroOptimizer:
         be = self.model.backend
         params, grads = self.param_shard, self.grad_shard
         if self.master is not None and not self.master_ready:
-            self.master[...] = params.astype(np.float32)
+            self.master[...] = params   # widened element by element, with no float32 temporary
             self.master_ready = True
         for lo, hi, decay in self.segments:
             be.adamw(params[lo:hi], grads[lo:hi], self.m[lo:hi], self.v[lo:hi],
