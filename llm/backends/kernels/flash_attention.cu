@@ -66,6 +66,11 @@ __device__ __forceinline__ void cp_async16(bf16* dst, const bf16* src, bool vali
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(valid ? 16 : 0));
 }
+// One float the same way (the .ca form takes 4 bytes), for rows of lse and D.
+__device__ __forceinline__ void cp_async4(float* dst, const float* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
@@ -258,7 +263,7 @@ __device__ void flash_backward_dot(float* D, const bf16* dout, const bf16* out, 
 // It keeps its rows of K and V in registers and walks the query tiles from the diagonal down, computing the
 // transposed tiles S^T = K Q^T and dP^T = V dO^T so that each warp's rows stay its keys:
 //   P^T = exp(S^T - lse) (0 above the diagonal),  dS^T = P^T * (dP^T - D),  dV += P^T dO,  dK += dS^T Q.
-// Shared memory (dynamic): Q and dO tiles, two of each in flight, and their rows' lse (log2 units) and D.
+// Shared memory (dynamic): Q and dO tiles, two of each in flight, and their rows' lse and D.
 template <int HS>
 __device__ void flash_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
                                    const float* D, int T, int NH, float scale_log2, float scale) {
@@ -283,9 +288,11 @@ __device__ void flash_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv
     auto load_queries = [&](int stage, int t0) {
         load_tile<HS, BQ>(sQ + stage * BQ * HS, qbase, t0, T, 3 * C);
         load_tile<HS, BQ>(sdO + stage * BQ * HS, obase, t0, T, C);
-        for (int i = threadIdx.x; i < BQ; i += THREADS) {   // rows past T: P = exp2(-inf) = 0, D = 0
-            sL[stage * BQ + i] = t0 + i < T ? lse_row[t0 + i] * LOG2E : INF;
-            sD[stage * BQ + i] = t0 + i < T ? D_row[t0 + i] : 0.0f;
+        // rows past T read as lse = 0 and D = 0: their dO and Q are 0 too, so they add nothing to dV or dK
+        for (int i = threadIdx.x; i < BQ; i += THREADS) {
+            const bool valid = t0 + i < T;
+            cp_async4(sL + stage * BQ + i, lse_row + (valid ? t0 + i : 0), valid);
+            cp_async4(sD + stage * BQ + i, D_row + (valid ? t0 + i : 0), valid);
         }
     };
     load_queries(0, first * BQ);
@@ -314,7 +321,7 @@ __device__ void flash_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv
                 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const int key = key0 + g + 8 * (j / 2), col = 8 * nt + 2 * q + j % 2;
-                    p[nt][j] = diagonal && t0 + col < key ? 0.0f : fast_exp2(p[nt][j] * scale_log2 - tL[col]);
+                    p[nt][j] = diagonal && t0 + col < key ? 0.0f : fast_exp2((p[nt][j] * scale - tL[col]) * LOG2E);
                     dp[nt][j] = p[nt][j] * (dp[nt][j] - tD[col]);   // dS^T
                 }
             mul_tiles_by_tile<HS, BQ>(dv, p, tdO);
