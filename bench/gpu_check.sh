@@ -35,11 +35,13 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     done ;;
   torch)   # the yardstick, same model and batch, same GPU
     timeout 400 python3 bench/torch_gpt2.py --model d12 -b 64 -t 1024 --steps 20 2>&1 | tee "$OUT/torch.log" | tail -3 ;;
-  train)   # the same tiny-Shakespeare run on GPU (fp32, bf16) and CPU: the loss curves must agree
-    common="-e d6 -b 8 -t 256 -l 3e-4 -x 20 -v 10 -m 4 -s 0 $TS"
-    timeout 200 python3 train_gpt2.py $common --backend cupy --precision fp32 -f 0 2>&1 | tee "$OUT/train_fp32.log" | grep -E "^step|val loss" | tail -8
-    timeout 200 python3 train_gpt2.py $common --backend cupy --precision bf16 2>&1 | tee "$OUT/train_bf16.log" | grep -E "^step|val loss" | tail -8
-    timeout 300 python3 train_gpt2.py $common --backend numpy 2>&1 | tee "$OUT/train_numpy.log" | grep -E "^step|val loss" | tail -8 ;;
+  train)   # 30 steps of d12 on tiny Shakespeare: GPU fp32 (TF32 off), bf16 (flash, cuDNN) and NumPy curves
+    common="-e d12 -b 8 -t 256 -l 3e-4 -x 30 -v 10 -m 4 -s 0 $TS"
+    timeout 200 python3 train_gpt2.py $common --backend cupy --precision fp32 -f 0 > "$OUT/train_fp32.log" 2>&1
+    timeout 200 python3 train_gpt2.py $common --backend cupy > "$OUT/train_bf16.log" 2>&1
+    timeout 200 python3 train_gpt2.py $common --backend cupy --attention cudnn > "$OUT/train_cudnn.log" 2>&1
+    timeout 240 python3 train_gpt2.py $common --backend numpy > "$OUT/train_numpy.log" 2>&1
+    for f in numpy fp32 bf16 cudnn; do echo "$f: $(grep -E '^step' "$OUT/train_$f.log" | tail -1)"; done ;;
   mpi)     # two ranks on one GPU (MPI fallback) against one rank; one rank through NCCL
     common="-e d6 -b 4 -t 256 -d 2048 -l 3e-4 -x 10 -v 100 -m 2 -s 0 -z 1 $TS --backend cupy --precision fp32 -f 0"
     timeout 200 python3 train_gpt2.py $common 2>&1 | tee "$OUT/np1.log" | grep -E "^step" | tail -3
