@@ -153,6 +153,23 @@ __device__ __forceinline__ void mul_tiles_by_tile(float acc[][4], const float p[
     }
 }
 
+// Write the warp's 16 x HS fp32 tile `acc`, row r (g, then g+8) times scale[r], as bf16 into rows
+// row0 .. row0+15 of a (T, stride) matrix at dst; rows at or past T are not written.
+template <int HS>
+__device__ __forceinline__ void store_rows(bf16* dst, long long stride, int row0, int T, const float acc[][4],
+                                           const float scale[2]) {
+    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + g + 8 * r;
+        if (row >= T) continue;
+#pragma unroll
+        for (int dn = 0; dn < HS / 8; dn++)
+            *reinterpret_cast<__nv_bfloat162*>(dst + row * stride + 8 * dn + 2 * q) =
+                __floats2bfloat162_rn(acc[dn][2 * r] * scale[r], acc[dn][2 * r + 1] * scale[r]);
+    }
+}
+
 // ---- forward -------------------------------------------------------------------------------------------
 // Grid (T / BQ query tiles, B * NH), 128 threads; the last query tiles, which see the most keys, start first.
 // Warp w owns query rows q0 + 16w .. q0 + 16w + 15; a thread holds, per row g and g+8 of that, its m, its
@@ -229,14 +246,10 @@ __device__ void flash_forward(bf16* out, float* lse, const bf16* qkv, int T, int
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         const int row = row0 + g + 8 * r;
-        if (row >= T) continue;
-        bf16* y = out + ((long long)b * T + row) * C + h * HS + 2 * q;
-        #pragma unroll
-        for (int dn = 0; dn < HS / 8; dn++)
-            *reinterpret_cast<__nv_bfloat162*>(y + 8 * dn) =
-                __floats2bfloat162_rn(o[dn][2 * r] / l[r], o[dn][2 * r + 1] / l[r]);
-        if (q == 0) lse[(long long)blockIdx.y * T + row] = (m[r] + log2f(l[r])) * LN2;
+        if (q == 0 && row < T) lse[(long long)blockIdx.y * T + row] = (m[r] + log2f(l[r])) * LN2;
     }
+    const float inv_l[2] = {1.0f / l[0], 1.0f / l[1]};
+    store_rows<HS>(out + (long long)b * T * C + h * HS, C, row0, T, o, inv_l);
 }
 
 // ---- backward ------------------------------------------------------------------------------------------
@@ -331,19 +344,10 @@ __device__ void flash_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv
         __syncthreads();
     }
 
-    #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int key = key0 + g + 8 * r;
-        if (key >= T) continue;
-        bf16* row = dqkv + ((long long)b * T + key) * 3 * C + h * HS + 2 * q;
-        #pragma unroll
-        for (int dn = 0; dn < HS / 8; dn++) {
-            *reinterpret_cast<__nv_bfloat162*>(row + C + 8 * dn) =
-                __floats2bfloat162_rn(dk[dn][2 * r] * scale, dk[dn][2 * r + 1] * scale);
-            *reinterpret_cast<__nv_bfloat162*>(row + 2 * C + 8 * dn) =
-                __floats2bfloat162_rn(dv[dn][2 * r], dv[dn][2 * r + 1]);
-        }
-    }
+    const float scales[2] = {scale, scale}, ones[2] = {1.0f, 1.0f};
+    bf16* rows = dqkv + (long long)b * T * 3 * C + h * HS;
+    store_rows<HS>(rows + C, 3 * C, key0, T, dk, scales);
+    store_rows<HS>(rows + 2 * C, 3 * C, key0, T, dv, ones);
 }
 
 // dQ of one query tile. Grid (T / BQ query tiles, B * NH), 128 threads; warp w owns queries q0 + 16w ...
@@ -407,16 +411,8 @@ __device__ void flash_backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv,
         __syncthreads();
     }
 
-    #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = row0 + g + 8 * r;
-        if (row >= T) continue;
-        bf16* y = dqkv + ((long long)b * T + row) * 3 * C + h * HS + 2 * q;
-        #pragma unroll
-        for (int dn = 0; dn < HS / 8; dn++)
-            *reinterpret_cast<__nv_bfloat162*>(y + 8 * dn) =
-                __floats2bfloat162_rn(dq[dn][2 * r] * scale, dq[dn][2 * r + 1] * scale);
-    }
+    const float scales[2] = {scale, scale};
+    store_rows<HS>(dqkv + (long long)b * T * 3 * C + h * HS, 3 * C, row0, T, dq, scales);
 }
 
 // One set of entry points per head size (GPT-2's is 64; tiny test models use 16 and 32).
