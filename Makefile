@@ -14,6 +14,7 @@ export TINYSHAKESPEARE ?= $(abspath $(SHARED)/tinyshakespeare.txt)
 endif
 
 DATA := data/tinyshakespeare/tiny_shakespeare_train.bin
+TRAIN_STEPS ?= 250
 
 .PHONY: setup data train test bench clean
 setup: $(VENV)/.installed
@@ -24,12 +25,15 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 data: $(DATA)
-$(DATA): setup
+$(DATA): $(VENV)/.installed
 	$(PY) data/tinyshakespeare.py
 
-# a 4-layer, 256-channel GPT-2 (~16M parameters, most in wte) for about two minutes on 2 cores
+# a 4-layer, 256-channel GPT-2 (~16M parameters, most in wte) for about two minutes on 2 cores; the model
+# of the last step goes to log_train/model_00000250.bin, for python -m llm.sample. The tests run this
+# recipe with fewer steps (TRAIN_STEPS=...).
 train: data
-	$(PY) train_gpt2.py -e d4c256h4 -b 8 -t 64 -l 1e-3 -u 20 -x 250 -v 50 -m 4 -s 250 -g 48 -o log_train
+	$(PY) train_gpt2.py -e d4c256h4 -b 8 -t 64 -l 1e-3 -u 20 -x $(TRAIN_STEPS) -v 50 -m 4 \
+		-s $(TRAIN_STEPS) -g 48 -n $(TRAIN_STEPS) -o log_train
 
 test: setup
 	$(PY) -m pytest -q

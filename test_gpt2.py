@@ -9,6 +9,7 @@ on that batch and compares the losses. One OK / NOT OK line per check, then `ove
 the exit code is non-zero on failure.
 """
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy as np
 from llm import formats
 from llm.backends import get_backend
 from llm.comm import SingleComm
-from llm.config import GPT2Config
+from llm.config import WEIGHTS_HINT, GPT2Config
 from llm.layout import PARAM_NAMES, ParamViews
 from llm.model import GPT2
 from llm.outliers import UpdateGuard
@@ -123,6 +124,11 @@ def main():
         backend = get_backend(args.backend, args.precision, allow_tf32=False,   # fp32 means fp32 here
                               attention=args.attention)
         if args.e:
+            if not os.path.exists(args.e):
+                raise formats.FormatError(f"{args.e}: no such file: {WEIGHTS_HINT}")
+            if not os.path.exists(args.ds):
+                raise formats.FormatError(f"{args.ds}: no such file: llm.c's train_gpt2.py writes it "
+                                          f"(or its dev/download_starter_pack.sh downloads it)")
             config, params, _ = formats.read_model(args.e)
             state = formats.read_debug_state(args.ds, config)
             x, y = state["x"], state["y"]

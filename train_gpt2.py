@@ -14,7 +14,7 @@ import traceback
 from llm import checkpoint, formats, report
 from llm.backends import get_backend, resolve
 from llm.comm import launched_world_size, make_comm
-from llm.config import GPT2_EOT, ConfigError, GPT2Config
+from llm.config import GPT2_EOT, WEIGHTS_HINT, ConfigError, GPT2Config
 from llm.data import DataError, DataLoader, EvalLoader, score
 from llm.formats import FormatError
 from llm.model import GPT2
@@ -105,6 +105,8 @@ def build_model(args, backend):
     """The model from a checkpoint file or a descriptor (llm.c's random init)."""
     source = args["e"]
     if source.endswith(".bin"):
+        if not os.path.exists(source):
+            raise FormatError(f"{source}: no such file: {WEIGHTS_HINT}; or train from scratch with -e d12")
         config, params, _ = formats.read_model(source)
     else:
         config = GPT2Config.from_descriptor(source)

@@ -14,6 +14,7 @@ from llm.formats import FormatError
 from llm.tokenizer import TokenizerError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INPUT_HINT = "pass --input PATH to a local copy"   # what a failed download says to do
 
 
 class PrepError(Exception):
@@ -38,8 +39,9 @@ def arguments(description, url, out, input_env=None, input_help="the source file
 
 
 @contextmanager
-def reading(path, url=None):
-    """Turn the errors of reading `path` (or, when path is None, downloading `url`) into one-line PrepErrors."""
+def reading(path, url=None, offline_hint=INPUT_HINT):
+    """Turn the errors of reading `path` (or, when path is None, downloading `url`) into one-line PrepErrors;
+    a failed download ends with `offline_hint`."""
     try:
         yield
     except FileNotFoundError:
@@ -50,12 +52,12 @@ def reading(path, url=None):
         if path:
             raise PrepError(f"{path}: cannot read ({e.strerror or e})") from None
         reason = getattr(e, "reason", e)   # urllib's URLError keeps the cause in .reason
-        raise PrepError(f"cannot download {url} ({reason}): pass --input PATH to a local copy") from None
+        raise PrepError(f"cannot download {url} ({reason}): {offline_hint}") from None
 
 
-def read_text(path, url):
-    """The UTF-8 text of `path`, or of `url` when path is None."""
-    with reading(path, url):
+def read_text(path, url, offline_hint=INPUT_HINT):
+    """The UTF-8 text of `path`, or of `url` when path is None (`offline_hint` as reading())."""
+    with reading(path, url, offline_hint):
         if path:
             raw = open(path, "rb")
         else:

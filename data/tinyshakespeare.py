@@ -14,9 +14,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data import REPO, arguments, read_text, run, write_shard   # noqa: E402
-from llm.tokenizer import Tokenizer   # noqa: E402
+from llm.tokenizer import VOCAB_ENV, Tokenizer   # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+INPUT_ENV = "TINYSHAKESPEARE"   # the corpus's local copy, as --input
+# offline, both downloads would fail: one message names both local files
+OFFLINE_HINT = (f"offline? set {INPUT_ENV}=path/to/input.txt and {VOCAB_ENV}=path/to/gpt2.tiktoken "
+                "(make passes both on), or pass --input and --vocab")
 VAL_TOKENS = 32768
 PROGRESS_LINES = 4
 
@@ -40,11 +44,11 @@ def tokenize(text, tokenizer):
 
 
 def main():
-    parser = arguments(__doc__.splitlines()[0], URL, os.path.join("data", "tinyshakespeare"), "TINYSHAKESPEARE")
+    parser = arguments(__doc__.splitlines()[0], URL, os.path.join("data", "tinyshakespeare"), INPUT_ENV)
     parser.add_argument("--tokenizer", default=os.path.join(REPO, "gpt2_tokenizer.bin"),
                         help="where to write llm.c's tokenizer file (default: gpt2_tokenizer.bin)")
     args = parser.parse_args()
-    text = read_text(args.input, URL)
+    text = read_text(args.input, URL, offline_hint=OFFLINE_HINT)
     tokenizer = Tokenizer(args.vocab)
     tokens = tokenize(text, tokenizer)
     os.makedirs(args.out, exist_ok=True)

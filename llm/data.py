@@ -50,7 +50,7 @@ class DataLoader:
         self.shuffle, self.seed = shuffle, seed
         self.shards = sorted(glob.glob(pattern))
         if not self.shards:
-            raise DataError(f"no files match -i/-j pattern '{pattern}'")
+            raise DataError(f"no files match -i/-j pattern '{pattern}': {prepare_hint(pattern)}")
         # validate every shard now, so that a bad file fails at startup and not hours into a run
         ntoks = [_check_shard(path, vocab_size) for path in self.shards]
         self.shard_samples = np.array([max(ntok - 1, 0) // T for ntok in ntoks], dtype=np.int64)
@@ -123,6 +123,16 @@ class DataLoader:
                 sample_order = rng.permutation(int(self.shard_samples[s]))
             self._shard = (epoch, s, sample_order, formats.read_shard(self.shards[s]))
         return self._shard[2:]
+
+
+def prepare_hint(pattern):
+    """Which command writes the shards of a pattern in llm.c's data folders (data/*.py write them)."""
+    if "tinyshakespeare" in pattern:
+        return "run `make data` (or python data/tinyshakespeare.py) to write them"
+    if "fineweb" in pattern:
+        flags = "".join(flag for key, flag in (("edu_", " --type edu"), ("100B", " --version 100B")) if key in pattern)
+        return f"run python data/fineweb.py{flags} to write them"
+    return "the scripts in data/ write shards (`make data`: tiny Shakespeare; data/fineweb.py: FineWeb)"
 
 
 def _check_shard(path, vocab_size):

@@ -1,5 +1,7 @@
 """What train_gpt2.py prints, in llm.c's words and layout: the configuration tables, the allocation lines,
 the per-step line and its throughput figures."""
+import math
+
 import numpy as np
 
 BORDER = "+" + "-" * 23 + "+" + "-" * 52 + "+"
@@ -69,21 +71,22 @@ def allocation_lines(model, optimizer, B, T, total_batch, grad_accum, N):
 
 class Throughput:
     """llm.c's tok/s and MFU of each step. tok/s is the step's own rate at the first step, then an EMA
-    (0.95) of the rates, bias-corrected; MFU is the step's FLOPs per second against the device's peak."""
+    (0.95) of the rates, bias-corrected; MFU is the step's FLOPs per second against the device's peak,
+    None where the peak is not known (the CPU, a GPU missing from the table: llm.c prints -100% there)."""
 
     def __init__(self, tokens_per_step, flops_per_step, peak_flops):
         self.tokens, self.flops, self.peak = tokens_per_step, flops_per_step, peak_flops
         self.ema, self.steps, self.total_ms = 0.0, 0, 0.0
 
     def update(self, ms):
-        """-> (tok/s, MFU or -1 when the peak is unknown) for a step that took ms milliseconds."""
+        """-> (tok/s, MFU or None) for a step that took ms milliseconds."""
         tok_s = self.tokens / ms * 1000
         if self.steps > 0:   # llm.c leaves the first step (compilation, allocation) out of the average
             self.ema = 0.95 * self.ema + 0.05 * tok_s
             tok_s = self.ema / (1 - 0.95 ** self.steps)
             self.total_ms += ms
         self.steps += 1
-        return tok_s, self.flops / (ms / 1000) / self.peak if self.peak else -1.0
+        return tok_s, self.flops / (ms / 1000) / self.peak if self.peak else None
 
     def average_ms(self):
         """The mean step time after the first step, for llm.c's last line (None before two steps)."""
@@ -91,7 +94,12 @@ class Throughput:
 
 
 def step_line(step, train_steps, result, lr, ms, mfu, tok_s, precision):
-    """llm.c's per-step line; step is 0-based and printed 1-based."""
-    return (f"step {step + 1:4d}/{train_steps} | loss {result.loss:7.6f} ({result.loss_z:+.2f}z)| "
-            f"norm {result.grad_norm:6.4f} ({result.norm_z:+.2f}z)| lr {lr:.2e} | {ms:.2f} ms | "
-            f"{100 * mfu:.1f}% {precision} MFU | {tok_s:.0f} tok/s")
+    """llm.c's per-step line; step is 0-based and printed 1-based.
+
+    A value not known yet reads "n/a" where llm.c prints a number that looks like a bug: the z-scores
+    over the first 128 steps, before their window fills (llm.c: "+nanz"), and the MFU where the device's
+    peak is unknown (llm.c: "-100.0%")."""
+    loss_z, norm_z = (f"{z:+.2f}z" if math.isfinite(z) else "z n/a" for z in (result.loss_z, result.norm_z))
+    mfu = f"{100 * mfu:.1f}% {precision} MFU" if mfu is not None else f"{precision} MFU n/a"
+    return (f"step {step + 1:4d}/{train_steps} | loss {result.loss:7.6f} ({loss_z})| "
+            f"norm {result.grad_norm:6.4f} ({norm_z})| lr {lr:.2e} | {ms:.2f} ms | {mfu} | {tok_s:.0f} tok/s")

@@ -1,7 +1,29 @@
-"""Sampling text from the model as llm.c does: xorshift* coins, seed 1337, inverse-CDF sampling over V."""
+"""Sampling text from a model: llm.c's sampler, and a command line that prints text from a checkpoint.
+
+  python -m llm.sample -e log_train/model_00000250.bin                 64 tokens after an EOT
+  python -m llm.sample -e gpt2_124M.bin --prompt "The meaning of life is" -n 100 --top_k 40
+
+Training prints samples as llm.c does (generate()): xorshift* coins from seed 1337 and inverse-CDF
+sampling over softmax(logits), starting from EOT. The command line adds what nanoGPT's sample.py
+offers: a prompt, a temperature and top-k, a seed, decoded text. With its defaults (no prompt,
+temperature 1, no top-k, seed 1337) it prints what training would print after the same checkpoint.
+"""
+import argparse
+import math
+import os
+import sys
+
 import numpy as np
 
+from llm import formats
+from llm.backends import BackendError, get_backend, resolve
+from llm.config import WEIGHTS_HINT, ConfigError
+from llm.model import GPT2
+from llm.tokenizer import Tokenizer, TokenizerError, TokenizerFile
+
 MASK64 = (1 << 64) - 1
+SEED = 1337           # llm.c's sampler seed, reset for every sample
+CHUNK = 256           # forward windows are padded to multiples of this (or of max_T when smaller)
 
 
 class Rng:
@@ -30,18 +52,119 @@ def sample_softmax(logits, coin):
     return min(int(np.searchsorted(cdf, coin, side="right")), len(logits) - 1)
 
 
-def generate(model, eot, gen_tokens, max_T):
-    """gen_tokens tokens from an EOT start, one forward per token over a window rounded up to a
-    multiple of min(max_T, 256), as llm.c does to keep the shapes (and activation buffers) few."""
-    rng = Rng(1337)
+def pick(logits, coin, temperature=1.0, top_k=0):
+    """sample_softmax over logits / temperature, keeping only the top_k largest logits (0: all of them).
+
+    The others become -inf, so their probability is 0; top_k = 1 is greedy decoding (the argmax)."""
+    if 0 < top_k < len(logits):
+        kth = np.partition(logits, -top_k)[-top_k]
+        logits = np.where(logits >= kth, logits, -np.inf)
+    return sample_softmax(logits / temperature, coin)
+
+
+def sample(model, context, n, max_T, rng, temperature=1.0, top_k=0):
+    """n new tokens after `context` (token ids, an EOT first), one forward and one coin per token.
+
+    Each forward sees the tokens so far, padded with EOT to a multiple of min(max_T, 256) as llm.c does,
+    which keeps the shapes (and activation buffers) few; attention is causal, so the padding never
+    reaches the logits read at the last real position. The whole sequence must fit max_T."""
+    if len(context) + n > max_T:
+        raise ValueError(f"{len(context)} tokens of context and {n} new tokens exceed the window of {max_T}")
     V = model.config.vocab_size
-    chunk = min(max_T, 256)
-    tokens = [eot]
-    for t in range(1, gen_tokens):
-        T = min(-(-t // chunk) * chunk, max_T)
-        window = np.full((1, T), eot, np.int32)
-        window[0, :t] = tokens[-T:] if t > T else tokens
-        logits = model.forward(window)
-        row = model.backend.to_numpy(logits[0, min(t, T) - 1, :V]).astype(np.float32)
-        tokens.append(sample_softmax(row, rng.f32()))
-    return tokens[1:]
+    chunk = min(max_T, CHUNK)
+    tokens = list(context)
+    for _ in range(n):
+        t = len(tokens)
+        window = np.full((1, min(-(-t // chunk) * chunk, max_T)), context[0], np.int32)
+        window[0, :t] = tokens
+        row = model.backend.to_numpy(model.forward(window)[0, t - 1, :V]).astype(np.float32)
+        tokens.append(pick(row, rng.f32(), temperature, top_k))
+    return tokens[len(context):]
+
+
+def generate(model, eot, gen_tokens, max_T):
+    """llm.c's sample during training: gen_tokens - 1 tokens after an EOT, coins from seed 1337.
+
+    The sequence, EOT included, is cut to max_T tokens (the training T, at most the model's max_seq_len),
+    so that a huge -g is a short sample and not hours of forwards."""
+    max_T = min(max_T, model.config.max_seq_len)
+    return sample(model, [eot], max(min(gen_tokens, max_T) - 1, 0), max_T, Rng(SEED))
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line: python -m llm.sample -e MODEL.bin [--prompt TEXT] [-n N] ...
+
+class UsageError(ValueError):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line, as every other mistake; --help shows the usage
+        raise UsageError(message)
+
+
+def arguments():
+    parser = Parser(description="Print text sampled from a model checkpoint (llm.c's sampler, plus a prompt, "
+                                "temperature and top-k).")
+    parser.add_argument("-e", default="gpt2_124M.bin", help="model checkpoint .bin (default: gpt2_124M.bin, "
+                                                            "which python data/gpt2.py writes)")
+    parser.add_argument("--prompt", default="", help="text to continue (default: none, start from EOT alone); "
+                                                     "encoding it needs GPT-2's BPE ranks, see --vocab")
+    parser.add_argument("-n", type=int, default=64, help="new tokens to generate (default: 64)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="divides the logits: below 1 is more conservative, above 1 more random (default: 1)")
+    parser.add_argument("--top_k", type=int, default=0,
+                        help="sample from the k most likely tokens only; 1 is greedy (default: 0, all)")
+    parser.add_argument("--seed", type=int, default=SEED, help=f"the sampler's seed (default: {SEED}, llm.c's)")
+    parser.add_argument("--backend", default="auto", help="numpy, cupy, or auto: cupy when a GPU is usable")
+    parser.add_argument("--tokenizer", default="gpt2_tokenizer.bin",
+                        help="llm.c's tokenizer file, to decode the text (default: gpt2_tokenizer.bin)")
+    parser.add_argument("--vocab", help="GPT-2's BPE ranks, a gpt2.tiktoken file, to encode the prompt "
+                                        "(default: $GPT2_VOCAB, else tiktoken's download)")
+    return parser
+
+
+def check_args(args):
+    if args.n < 1:
+        raise UsageError(f"-n {args.n}: generate at least 1 token")
+    if not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise UsageError(f"--temperature {args.temperature}: must be positive (--top_k 1 decodes greedily)")
+    if args.top_k < 0:
+        raise UsageError(f"--top_k {args.top_k}: must be 0 (all tokens) or positive")
+    if args.seed & MASK64 == 0:
+        raise UsageError(f"--seed {args.seed}: xorshift needs a seed that is not 0 modulo 2^64")
+
+
+def main(argv):
+    args = arguments().parse_args(argv)
+    check_args(args)
+    backend = resolve(args.backend)   # an unknown name fails here, before any file is read
+    if not os.path.exists(args.e):
+        raise UsageError(f"{args.e}: no such file: {WEIGHTS_HINT}; `make train` writes "
+                         f"log_train/model_00000250.bin")
+    config, params, _ = formats.read_model(args.e)
+    if not os.path.exists(args.tokenizer):
+        raise UsageError(f"{args.tokenizer}: no such file: `make data` or python data/gpt2.py writes it "
+                         f"(or pass --tokenizer PATH)")
+    tokenizer = TokenizerFile(args.tokenizer, expected_vocab=config.vocab_size)
+    prompt = Tokenizer(args.vocab).encode(args.prompt) if args.prompt else []
+    if prompt and max(prompt) >= config.vocab_size:
+        raise UsageError(f"the prompt has token id {max(prompt)}, beyond the model's vocab_size {config.vocab_size}")
+    context = [tokenizer.eot] + prompt
+    room = config.max_seq_len - len(context)
+    if args.n > room:
+        raise UsageError(f"-n {args.n}: EOT, the prompt's {len(prompt)} tokens and the new tokens must fit the "
+                         f"model's max_seq_len {config.max_seq_len}: "
+                         + (f"ask for -n {room} or fewer" if room > 0 else "shorten the prompt"))
+    model = GPT2(config, get_backend(*backend))
+    model.load_params(params)
+    tokens = sample(model, context, args.n, config.max_seq_len, Rng(args.seed), args.temperature, args.top_k)
+    print(tokenizer.decode(prompt + tokens))
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (UsageError, formats.FormatError, TokenizerError, BackendError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -12,9 +12,11 @@ from llm import formats
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train_gpt2.py")
 TINY = ["-e", "d2c64h4", "-b", "4", "-t", "32", "-l", "1e-3", "-s", "0", "-v", "1000", "-m", "2"]
-STEP_LINE = re.compile(r"^step +(\d+)/(\d+) \| loss (\d+\.\d{6}) \(([+-](?:nan|\d+\.\d\d))z\)\| norm (\d+\.\d{4}) "
-                       r"\(([+-](?:nan|\d+\.\d\d))z\)\| lr (\d\.\d\de[+-]\d\d) \| (\d+\.\d\d) ms \| (-?\d+\.\d)% "
-                       r"(fp32|bf16) MFU \| (\d+) tok/s$")
+# llm.c's step line; a z-score before its 128-step window fills, and the MFU where the device's peak is
+# unknown, read "n/a"
+STEP_LINE = re.compile(r"^step +(\d+)/(\d+) \| loss (\d+\.\d{6}) \(([+-]\d+\.\d\dz|z n/a)\)\| norm (\d+\.\d{4}) "
+                       r"\(([+-]\d+\.\d\dz|z n/a)\)\| lr (\d\.\d\de[+-]\d\d) \| (\d+\.\d\d) ms \| "
+                       r"(\d+\.\d% (?:fp32|bf16) MFU|(?:fp32|bf16) MFU n/a) \| (\d+) tok/s$")
 
 
 def env():
