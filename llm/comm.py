@@ -12,17 +12,9 @@ Every communicator offers, on contiguous 1-D buffers:
   barrier(), scalar_sum(x) -> float, scalar_avg(x) -> float
 The model and the optimizer never ask which one they hold.
 """
-import os
-
 import numpy as np
 
-
-def launched_world_size():
-    """The number of processes mpirun/mpiexec started, read from the launcher's environment (1 if none)."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 1
+from .launch import launched_world_size
 
 
 def _is_device_array(buf):

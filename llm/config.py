@@ -47,6 +47,12 @@ class GPT2Config:
         C, L = self.channels, self.num_layers
         return self.padded_vocab_size * C + self.max_seq_len * C + L * (12 * C * C + 13 * C) + 2 * C
 
+    @property
+    def eot(self):
+        """The <|endoftext|> id that samples start from, when no tokenizer file names it: GPT-2's is the
+        last id of its vocabulary (50256), and a model with another vocabulary is taken to do the same."""
+        return self.vocab_size - 1
+
     def flops_per_token(self, T):
         """llm.c's training FLOPs per token at sequence length T, for MFU: 6N for the forward and backward
         matmuls over the N parameters, and 6LCT for attention's two (T, T) products per layer."""

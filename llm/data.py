@@ -151,21 +151,22 @@ class EvalLoader:
     Rank r takes ceil(num_examples / N) consecutive examples. Each batch packs floor(B/4) examples into
     4 rows each: row 4i+c holds example i's context followed by completion c, its targets are the row
     shifted by one (the last context token predicts the first completion token), and mask is 1 at the
-    targets that are completion tokens. Unused rows and positions hold EOT (50256) with mask 0. Every rank
-    yields the same number of batches (num_batches); a batch's examples beyond n_active are padding.
-    Iterating yields (inputs int32 (B,T), targets int32 (B,T), mask float32 (B,T), labels, n_active),
-    where labels lists the n_active correct completions.
+    targets that are completion tokens. Unused rows and positions hold eot (GPT-2's 50256) with mask 0.
+    Every rank yields the same number of batches (num_batches); a batch's examples beyond n_active are
+    padding. Iterating yields (inputs int32 (B,T), targets int32 (B,T), mask float32 (B,T), labels,
+    n_active), where labels lists the n_active correct completions. Every token id must be below
+    vocab_size (checked for every example at init).
     """
 
-    def __init__(self, path, B, T, rank=0, world_size=1):
+    def __init__(self, path, B, T, rank=0, world_size=1, vocab_size=GPT2_VOCAB, eot=GPT2_EOT):
         if B < 4:
             raise DataError(f"the eval needs B >= 4 (4 rows per example), got B={B}")
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is outside 0..{world_size - 1}")
-        self.path, self.B, self.T = path, B, T
+        self.path, self.B, self.T, self.eot = path, B, T, eot
         examples = formats.read_eval(path)
         for i, ex in enumerate(examples):
-            _check_example(path, i, ex, T)
+            _check_example(path, i, ex, T, vocab_size)
         self.num_examples = len(examples)
         per_rank = math.ceil(self.num_examples / world_size)
         self.examples = examples[rank * per_rank:(rank + 1) * per_rank]
@@ -179,8 +180,8 @@ class EvalLoader:
         B, T, E = self.B, self.T, self.examples_per_batch
         for first in range(0, self.num_batches * E, E):
             batch = self.examples[first:first + E]
-            inputs = np.full((B, T), GPT2_EOT, dtype=np.int32)
-            targets = np.full((B, T), GPT2_EOT, dtype=np.int32)
+            inputs = np.full((B, T), self.eot, dtype=np.int32)
+            targets = np.full((B, T), self.eot, dtype=np.int32)
             mask = np.zeros((B, T), dtype=np.float32)
             for i, ex in enumerate(batch):
                 ctx = ex["context"]
@@ -193,12 +194,15 @@ class EvalLoader:
             yield inputs, targets, mask, [ex["label"] for ex in batch], len(batch)
 
 
-def _check_example(path, i, ex, T):
-    """An example needs a context and non-empty completions (read_eval checks there are 4), and its
-    rows must fit T+1 tokens: T inputs and the T targets shifted by one."""
+def _check_example(path, i, ex, T, vocab_size):
+    """An example needs a context and non-empty completions (read_eval checks there are 4), token ids
+    below vocab_size, and rows that fit T+1 tokens: T inputs and the T targets shifted by one."""
     ctx, completions = ex["context"], ex["completions"]
     if not ctx or not all(completions):
         raise DataError(f"{path}: example {i} has an empty context or an empty completion")
+    largest = max(max(ctx), *(max(c) for c in completions))
+    if largest >= vocab_size:
+        raise DataError(f"{path}: example {i} has token id {largest}, >= the model's vocab size {vocab_size}")
     longest = len(ctx) + max(len(c) for c in completions)
     if longest > T + 1:
         raise DataError(f"{path}: example {i} has {longest} tokens (context + completion), "

@@ -13,15 +13,19 @@ The payload follows directly after the header.
   eval (HellaSwag)     20240522  1        2 examples, 3 longest bytes     a uint16 stream of examples
 
 Readers raise FormatError, one line naming the file and the problem, for anything a user can get
-wrong: a missing file, the wrong kind of file, an unknown version, a size the header disagrees with.
+wrong: a missing file, the wrong kind of file, an unknown version, a size the header disagrees with,
+and, in model and state files, values no training run can produce (NaN or infinite parameters, a
+negative second moment), which a damaged or foreign file of the right size holds.
 Writers go through atomic_write, so a writer killed half way never leaves a broken file behind.
 """
 from contextlib import contextmanager, suppress
 import os
+import re
 
 import numpy as np
 
 from llm.config import GPT2_EOT, ConfigError, GPT2Config
+from llm.layout import param_offsets
 
 HEADER_INTS = 256
 HEADER_BYTES = 4 * HEADER_INTS
@@ -69,6 +73,17 @@ class FormatError(ValueError):
 # ----------------------------------------------------------------------------------------------
 # Shared machinery: atomic writes, headers, payload sizes
 
+def temporary_path(path):
+    """Where atomic_write puts the bytes of `path` until they are complete: `path`.<pid>.tmp (the pid
+    keeps two processes writing one name apart)."""
+    return f"{os.fspath(path)}.{os.getpid()}.tmp"
+
+
+def is_temporary(name):
+    """Whether a file name is one temporary_path makes: what a killed writer leaves behind."""
+    return re.fullmatch(r".+\.\d+\.tmp", name) is not None
+
+
 @contextmanager
 def atomic_write(path):
     """Open `path` for binary writing so that it appears complete or not at all.
@@ -78,7 +93,7 @@ def atomic_write(path):
     so the rename itself survives a power cut. If the body raises, the temporary file is removed
     and whatever was at `path` before is left untouched."""
     path = os.fspath(path)
-    tmp = f"{path}.{os.getpid()}.tmp"   # the pid keeps two processes writing one name apart
+    tmp = temporary_path(path)
     try:
         with open(tmp, "wb") as f:
             yield f
@@ -157,6 +172,21 @@ def check_payload_size(path, payload_bytes, expected_bytes, what):
                           f"of payload ({payload_bytes - expected_bytes} extra bytes)")
 
 
+def all_finite(x):
+    """Whether a float array holds no NaN and no inf: its float64 sum is finite exactly then (a float32
+    sum could overflow), and summing needs no array-sized temporary."""
+    return bool(np.isfinite(np.sum(x, dtype=np.float64)))
+
+
+def check_finite(path, x, what, locate=lambda i: f"at index {i}"):
+    """Raise FormatError naming the file when float array x (`what`: "m", "the model") holds NaN or inf;
+    locate(i) says where the first one is."""
+    if not all_finite(x):
+        bad = np.flatnonzero(~np.isfinite(x))
+        raise FormatError(f"{path}: {what} holds NaN or infinite values ({bad.size}, the first {locate(bad[0])}): "
+                          f"the file is damaged")
+
+
 def _write_array(f, array, dtype):
     """Write an array's elements as `dtype`, without a copy when it already is that dtype."""
     f.write(np.ascontiguousarray(array, dtype=dtype).data)
@@ -220,6 +250,9 @@ def read_model(path):
         params = np.fromfile(f, dtype=MODEL_DTYPES[version], count=n)
     if version == MODEL_VERSION_BF16:
         params = bf16_bits_to_float32(params)
+    offsets = param_offsets(config)
+    check_finite(path, params, "the model",
+                 lambda i: "in " + next(name for name, (offset, size) in offsets.items() if i < offset + size))
     return config, params, version
 
 
@@ -235,17 +268,30 @@ def read_model(path):
 #     llm.c writes one file per rank holding only that rank's ZeRO-1 shard; we gather the shards before
 #     saving, so one state file resumes a run at any number of processes. num_processes and
 #     process_rank record who wrote the file; they are not required to match on load.
-#   - slots 40-41 (unused by llm.c) hold num_parameters as int64, so the reader can check the size.
+#   - slots 40-47 are unused by llm.c; we keep there:
+#       40-41 num_parameters (int64), so the reader can check the size
+#       42-43 the train data's samples per epoch (int64) and 44 the sequence length T: the loader
+#             position counts samples of T+1 tokens in that data, so a resume checks both still hold
+#       45    non-finite steps in a row so far, 46 and 47 how many values the loss and the grad-norm
+#             outlier windows hold (0..128): the -sl/-sg/--max-nonfinite decisions (llm/outliers.py)
+#     Files written before these fields have 0 in 42-47: no data check, empty windows, as then.
 #   - after master, llm.c appends the shuffled shard and sample orders and its Mersenne Twister
 #     state. Our loader's order is recomputed from its seed and its position, so the two position
-#     numbers are the whole loader state and the payload ends after master.
+#     numbers are the whole loader state. Our payload ends with the loss window, then the grad-norm
+#     window, as float64 (the detectors compute in double, as llm.c's): nothing when they are empty.
 
 STATE_SLOT_NUM_PARAMETERS = 40
+STATE_SLOT_SAMPLES_PER_EPOCH = 42
+STATE_SLOT_SEQ_LEN = 44
+STATE_SLOT_NONFINITE_STREAK = 45
+STATE_SLOT_WINDOWS = 46
 
 
 def write_state(path, *, step, num_processes, rng_state, loader_state, m, v, master=None,
-                should_shuffle=True, process_rank=0, rng_state_last_update=0):
-    """Write the training state; m, v and master (or None) are full float32 (num_parameters,) buffers."""
+                should_shuffle=True, process_rank=0, rng_state_last_update=0, samples_per_epoch=0, seq_len=0,
+                nonfinite_streak=0, loss_window=(), norm_window=()):
+    """Write the training state; m, v and master (or None) are full float32 (num_parameters,) buffers;
+    samples_per_epoch and seq_len describe what loader_state counts in; the rest is llm/outliers.py's."""
     n = np.size(m)
     for name, buffer in (("v", v), ("master", master)):
         if buffer is not None and np.size(buffer) != n:
@@ -258,15 +304,21 @@ def write_state(path, *, step, num_processes, rng_state, loader_state, m, v, mas
     _set64(header, 30, loader_state[0])
     _set64(header, 32, loader_state[1])
     _set64(header, STATE_SLOT_NUM_PARAMETERS, n)
+    _set64(header, STATE_SLOT_SAMPLES_PER_EPOCH, samples_per_epoch)
+    header[STATE_SLOT_SEQ_LEN] = seq_len
+    header[STATE_SLOT_NONFINITE_STREAK] = nonfinite_streak
+    header[STATE_SLOT_WINDOWS:STATE_SLOT_WINDOWS + 2] = (len(loss_window), len(norm_window))
     with atomic_write(path) as f:
         f.write(header.tobytes())
         for buffer in (m, v) if master is None else (m, v, master):
             _write_array(f, buffer, "<f4")
+        _write_array(f, list(loss_window) + list(norm_window), "<f8")
 
 
 def read_state(path, num_parameters):
     """-> dict(step, num_processes, process_rank, should_shuffle, rng_state, rng_state_last_update,
-    loader_state=(shard/epoch index, sample index), m, v, master=None or array)."""
+    loader_state=(shard/epoch index, sample index), samples_per_epoch, seq_len (0: not recorded),
+    m, v, master=None or array, nonfinite_streak, loss_window, norm_window (lists of floats))."""
     with open_llmc(path, STATE_MAGIC, {STATE_VERSION: ""}) as (f, header, payload_bytes):
         n = _get64(header, STATE_SLOT_NUM_PARAMETERS)
         if n != num_parameters:
@@ -274,14 +326,29 @@ def read_state(path, num_parameters):
                               f"but this model has {num_parameters}")
         use_master = bool(header[4])
         buffers = ("m", "v", "master") if use_master else ("m", "v")
-        check_payload_size(path, payload_bytes, 4 * n * len(buffers),
-                           f"{'m, v and master' if use_master else 'm and v'} of {n} parameters")
+        n_loss, n_norm = (int(x) for x in header[STATE_SLOT_WINDOWS:STATE_SLOT_WINDOWS + 2])
+        if min(n_loss, n_norm, header[10], header[STATE_SLOT_NONFINITE_STREAK]) < 0:
+            raise FormatError(f"{path}: negative step, window length or count in the header: the file is damaged")
+        check_payload_size(path, payload_bytes, 4 * n * len(buffers) + 8 * (n_loss + n_norm),
+                           f"{'m, v and master' if use_master else 'm and v'} of {n} parameters"
+                           f"{f' and outlier windows of {n_loss} and {n_norm} values' if n_loss + n_norm else ''}")
         state = {name: np.fromfile(f, dtype="<f4", count=n) for name in buffers}
+        loss_window = np.fromfile(f, dtype="<f8", count=n_loss).tolist()
+        norm_window = np.fromfile(f, dtype="<f8", count=n_norm).tolist()
+    for name, buffer in state.items():
+        check_finite(path, buffer, name)
+    if n and state["v"].min() < 0:
+        raise FormatError(f"{path}: v holds negative values ({int((state['v'] < 0).sum())}), and AdamW's second "
+                          f"moment never is: the file is damaged")
     return dict(step=int(header[10]), num_processes=int(header[2]), process_rank=int(header[3]),
                 should_shuffle=bool(header[5]), rng_state=_get64(header, 20, "<u8"),
                 rng_state_last_update=_get64(header, 22, "<u8"),
                 loader_state=(_get64(header, 30), _get64(header, 32)),
-                m=state["m"], v=state["v"], master=state.get("master"))
+                samples_per_epoch=_get64(header, STATE_SLOT_SAMPLES_PER_EPOCH),
+                seq_len=int(header[STATE_SLOT_SEQ_LEN]),
+                m=state["m"], v=state["v"], master=state.get("master"),
+                nonfinite_streak=int(header[STATE_SLOT_NONFINITE_STREAK]),
+                loss_window=loss_window, norm_window=norm_window)
 
 
 # ----------------------------------------------------------------------------------------------

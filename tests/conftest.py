@@ -1,6 +1,8 @@
-"""Shared helpers: run train_gpt2.py in a scratch directory on tiny synthetic token shards."""
+"""Shared helpers: run train_gpt2.py (alone or under mpiexec) in a scratch directory on tiny synthetic token
+shards."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -17,6 +19,28 @@ TINY = ["-e", "d2c64h4", "-b", "4", "-t", "32", "-l", "1e-3", "-s", "0", "-v", "
 STEP_LINE = re.compile(r"^step +(\d+)/(\d+) \| loss (\d+\.\d{6}) \(([+-]\d+\.\d\dz|z n/a)\)\| norm (\d+\.\d{4}) "
                        r"\(([+-]\d+\.\d\dz|z n/a)\)\| lr (\d\.\d\de[+-]\d\d) \| (\d+\.\d\d) ms \| "
                        r"(\d+\.\d% (?:fp32|bf16) MFU|(?:fp32|bf16) MFU n/a) \| (\d+) tok/s$")
+
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpi4py mpich)")
+
+
+def mpirun(n):
+    return [MPIEXEC, "-n", str(n)]
+
+
+def rank_pids(marker, rank):
+    """PIDs of the processes of MPI rank `rank` that have `marker` as one of their arguments (the -o dir)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+            environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if marker in args and f"PMI_RANK={rank}" in environ:
+            pids.append(int(pid))
+    return pids
 
 
 def env():

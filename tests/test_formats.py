@@ -1,5 +1,6 @@
 """llm.c's file formats: exact round trips, llm.c's header layout, and one clear error per bad input."""
 from contextlib import contextmanager
+import math
 import os
 
 import numpy as np
@@ -359,8 +360,10 @@ def test_eval_errors(tmp_path):
 # ---------------------------------------------------------------------------------------------- state
 
 def optimizer_state(n=7616, seed=2):
+    """m, v and master: v, AdamW's second moment, is never negative."""
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+    m, v, master = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    return m, np.abs(v), master
 
 
 def test_state_round_trip_with_master_and_llmc_slots(tmp_path):
@@ -394,6 +397,54 @@ def test_state_without_master(tmp_path):
     state = formats.read_state(path, 7616)
     assert state["master"] is None and state["should_shuffle"] is False and state["step"] == 7
     assert state["m"].tobytes() == m.tobytes() and state["v"].tobytes() == v.tobytes()
+
+
+def test_state_keeps_the_data_shape_and_the_outlier_windows_after_llmcs_payload(tmp_path):
+    path = tmp_path / "state.bin"
+    m, v, master = optimizer_state()
+    loss_window, norm_window = [10.5, float("nan"), 9.25], [1.5 + 2**-40] * 128   # the windows see NaN steps too
+    formats.write_state(path, step=130, num_processes=1, rng_state=0, loader_state=(0, 130), m=m, v=v,
+                        master=master, samples_per_epoch=2**33 + 1, seq_len=64, nonfinite_streak=2,
+                        loss_window=loss_window, norm_window=norm_window)
+    header = header_of(path)
+    assert header[42:44].view("<i8").tolist() == [2**33 + 1] and header[44:48].tolist() == [64, 2, 3, 128]
+    assert os.path.getsize(path) == 1024 + 3 * 4 * 7616 + 8 * (3 + 128)   # float64 windows after master
+    state = formats.read_state(path, 7616)
+    assert (state["samples_per_epoch"], state["seq_len"], state["nonfinite_streak"]) == (2**33 + 1, 64, 2)
+    assert state["loss_window"][::2] == [10.5, 9.25] and math.isnan(state["loss_window"][1])
+    assert state["norm_window"] == norm_window   # exactly: the z-scores of a resumed run depend on every bit
+
+
+def test_state_written_before_the_windows_existed_reads_with_empty_windows(tmp_path):
+    path = tmp_path / "state.bin"
+    m, v, _ = optimizer_state()
+    formats.write_state(path, step=7, num_processes=1, rng_state=1, loader_state=(0, 9), m=m, v=v)
+    assert header_of(path)[42:48].tolist() == [0] * 6 and os.path.getsize(path) == 1024 + 2 * 4 * 7616
+    state = formats.read_state(path, 7616)
+    assert (state["seq_len"], state["samples_per_epoch"], state["loss_window"], state["norm_window"],
+            state["nonfinite_streak"]) == (0, 0, [], [], 0)
+
+
+def test_model_and_state_files_holding_values_no_run_makes_are_refused(tmp_path):
+    path = tmp_path / "model.bin"
+    params = random_params()
+    params[TINY.padded_vocab_size * TINY.channels + 3] = np.inf   # in wpe, just after wte
+    formats.write_model(path, TINY, params)
+    with raises(path, "the model holds NaN or infinite values (1, the first in wpe): the file is damaged"):
+        formats.read_model(path)
+    formats.write_model(path, TINY, params, version=5)
+    with raises(path, "the model holds NaN or infinite values (1, the first in wpe)"):
+        formats.read_model(path)
+    path = tmp_path / "state.bin"
+    for name, index, value, problem in [("m", 5, np.nan, "m holds NaN or infinite values (1, the first at index 5)"),
+                                        ("master", 0, -np.inf, "master holds NaN or infinite values (1, the first "
+                                                               "at index 0)"),
+                                        ("v", 9, -1e-3, "v holds negative values (1)")]:
+        buffers = dict(zip(("m", "v", "master"), optimizer_state()))
+        buffers[name][index] = value
+        formats.write_state(path, step=1, num_processes=1, rng_state=0, loader_state=(0, 0), **buffers)
+        with raises(path, problem, "the file is damaged"):
+            formats.read_state(path, 7616)
 
 
 def test_state_errors(tmp_path):

@@ -1,9 +1,11 @@
-"""LR schedules, clipping and the outlier detector follow llm.c's formulas."""
+"""LR schedules, clipping and the outlier detector follow llm.c's formulas; the update guard's state and its
+rule for diverged runs."""
 import math
+import random
 
 import pytest
 
-from llm.outliers import OutlierDetector
+from llm.outliers import DivergedError, OutlierDetector, UpdateGuard
 from llm.schedulers import LRScheduler
 from llm.zero import clip_scale
 
@@ -63,3 +65,27 @@ def test_outlier_detector_is_nan_until_its_window_fills_then_gives_z_scores():
     for _ in range(128):
         d.update(3.0)
     assert d.update(3.0) == 0.0                          # zero spread gives z = 0
+
+
+def test_a_guard_restored_from_its_state_decides_as_the_one_that_went_on():
+    rng = random.Random(0)
+    steps = [(10 + rng.random(), 1 + rng.random()) for _ in range(200)]
+    going_on = UpdateGuard(loss_threshold=0.5, norm_threshold=0.5)
+    decisions = [going_on.check(*s) for s in steps[:150]]
+    restored = UpdateGuard(loss_threshold=0.5, norm_threshold=0.5)
+    restored.load_state(**going_on.state())
+    rest = [going_on.check(*s) for s in steps[150:]]
+    assert [restored.check(*s) for s in steps[150:]] == rest
+    assert any(skipped for *_, skipped in decisions + rest)
+
+
+def test_the_guard_stops_a_run_after_max_nonfinite_steps_in_a_row():
+    guard = UpdateGuard(max_nonfinite=3)
+    nan = float("nan")
+    for loss, norm in [(nan, 1.0), (1.0, math.inf), (1.0, 1.0), (nan, nan), (nan, 1.0)]:   # a finite step resets
+        guard.check(loss, norm)
+    assert guard.state()["nonfinite_streak"] == 2
+    with pytest.raises(DivergedError, match="stopping: 3 steps in a row had a non-finite loss or grad norm"):
+        guard.check(nan, nan)
+    never = UpdateGuard(max_nonfinite=0)
+    assert all(never.check(nan, nan)[2].startswith("skipping update: non-finite") for _ in range(1000))

@@ -12,15 +12,11 @@ import numpy as np
 import pytest
 
 from llm import checkpoint, formats
-from conftest import REPO, TINY, TRAIN, data_args, env, run_train, step_losses
+from conftest import (REPO, TINY, TRAIN, data_args, env, mpirun, needs_mpiexec, rank_pids, run_train,
+                      step_losses)
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpi4py mpich)")
+pytestmark = needs_mpiexec
 D = ["-d", str(6 * 4 * 32)]   # total batch: 6 sequences, so 1, 2 and 3 ranks all divide it
-
-
-def mpirun(n):
-    return [MPIEXEC, "-n", str(n)]
 
 
 def params_after(directory, step):
@@ -82,20 +78,6 @@ def test_checkpoint_from_two_ranks_resumes_on_one_and_three(shards):
                         launcher=mpirun(n) if n > 1 else ()).stdout
         assert "resuming from checkpoint at step 4" in out
         np.testing.assert_allclose([float(x) for x in step_losses(out)], [float(x) for x in full[4:]], rtol=1e-5)
-
-
-def rank_pids(marker, rank):
-    """PIDs of processes whose command line contains `marker` and whose MPI rank is `rank`."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
-            environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if marker in cmdline and "train_gpt2.py" in cmdline and f"PMI_RANK={rank}" in environ:
-            pids.append(int(pid))
-    return pids
 
 
 def test_killing_one_rank_stops_the_run_in_bounded_time(shards):

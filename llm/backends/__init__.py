@@ -68,11 +68,14 @@ def gpu_missing():
 
 def resolve(name="auto", precision="auto"):
     """(backend name, precision) with "auto" decided, here and only here: the cupy backend when a GPU is
-    usable, else numpy; each backend's default precision (bf16 on the GPU, fp32 on the CPU)."""
+    usable, else numpy; each backend's default precision (bf16 on the GPU, fp32 on the CPU).
+    Raises BackendError (one line) for an unknown name or precision, and for cupy where it cannot run."""
     if name == "auto":
         name = "numpy" if gpu_missing() else "cupy"
     if name not in PRECISIONS:
         raise BackendError(f"unknown backend '{name}': choose numpy, cupy or auto")
+    if name == "cupy" and (missing := gpu_missing()):
+        raise BackendError(missing)
     if precision == "auto":
         precision = PRECISIONS[name][0]
     if precision not in PRECISIONS[name]:
@@ -93,9 +96,6 @@ def get_backend(name="auto", precision="auto", allow_tf32=True, attention="auto"
     if name == "numpy":
         from .numpy_backend import NumpyBackend
         return NumpyBackend()
-    missing = gpu_missing()
-    if missing:
-        raise BackendError(missing)
     from .cupy_backend import CupyBackend
     try:
         return CupyBackend(precision=precision, allow_tf32=allow_tf32,

@@ -5,11 +5,11 @@ model's buffers: forward outputs and activation gradients are assigned, paramete
 Everything is float32, and the matmuls go to NumPy's BLAS.
 """
 from concurrent.futures import ThreadPoolExecutor
-import os
 
 import numpy as np
 
 import reference as ref
+from llm.launch import cores, threads_per_rank
 
 CLASSIFIER_ROWS = 16    # positions per classifier slice: 16 x Vp floats of temporaries
 ADAMW_CHUNK = 1 << 18   # elements per AdamW slice: its temporaries stay in cache, not 124M-element arrays
@@ -22,7 +22,8 @@ class NumpyBackend:
     precision = "fp32"
 
     def __init__(self):
-        self._pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+        self.threads = threads_per_rank()   # this rank's share of the cores, as BLAS's own threads
+        self._pool = ThreadPoolExecutor(max_workers=self.threads)
 
     def asarray(self, a, dtype=None):
         return np.array(a, dtype=dtype)        # a copy, as a host-to-device transfer would be
@@ -31,7 +32,7 @@ class NumpyBackend:
         return np.array(x)
 
     def device_name(self):
-        return f"CPU ({os.cpu_count()} cores, NumPy)"
+        return f"CPU ({self.threads} threads of {cores()} cores, NumPy)"
 
     def synchronize(self):
         pass
@@ -92,7 +93,7 @@ class NumpyBackend:
         out[...] = ref.residual_forward(inp1, inp2)
 
     def fused_classifier(self, logits, losses, targets, V, dloss):
-        """A few positions at a time, on a thread per core: each slice's (rows, Vp) temporaries stay small."""
+        """A few positions at a time, on this rank's threads: each slice's (rows, Vp) temporaries stay small."""
         rows = logits.reshape(-1, logits.shape[-1])
         flat_losses, flat_targets = losses.reshape(-1), targets.reshape(-1)
 
@@ -108,7 +109,7 @@ class NumpyBackend:
     def adamw(self, param, grad, m, v, master, lr, beta1, beta2, eps, weight_decay, t, grad_scale):
         """In place over one 1-D segment, a slice at a time; master is unused (the params are fp32).
 
-        NumPy's element-wise ops use one core and release the GIL, so the slices go to a thread per core."""
+        NumPy's element-wise ops use one core and release the GIL, so the slices go to this rank's threads."""
         def update(lo):
             s = slice(lo, lo + ADAMW_CHUNK)
             param[s], m[s], v[s] = ref.adamw_update(param[s], grad[s], m[s], v[s], t, lr, beta1, beta2, eps,

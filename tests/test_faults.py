@@ -1,0 +1,426 @@
+"""Nothing lost, nothing hung, no traceback: train_gpt2.py against bad flags, bad files, signals, full disks,
+a second run in the same directory, and runs that diverge. Each bad input gets one line and a non-zero exit."""
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from llm import checkpoint, formats
+from llm.backends import gpu_missing
+from llm.config import GPT2Config
+from llm.weight_init import init_params
+from conftest import REPO, TINY, TRAIN, data_args, env, mpirun, needs_mpiexec, rank_pids, run_train
+
+sys.path.insert(0, REPO)
+import train_gpt2  # noqa: E402   (importing it installs nothing: that happens under __main__ only)
+
+P = 3385088   # d2c64h4's parameters
+
+
+def assert_one_line_error(proc, message, code=1):
+    """Exit `code`, no traceback, and stderr's first line is the error, saying `message`."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- flags
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("-b", "0", "-b 0: must be positive"),
+    ("-t", "0", "-t 0: must be positive"),
+    ("-t", "-5", "-t -5: must be positive"),
+    ("-l", "nan", "-l nan: must be a finite number"),
+    ("-l", "inf", "-l inf: must be a finite number"),
+    ("-l", "-1e-3", "-l -1e-3: must be 0 or more"),
+    ("-q", "1.5", "-q 1.5: must be between 0 and 1"),
+    ("-q", "-0.1", "-q -0.1: must be between 0 and 1"),
+    ("-q", "nan", "-q nan: must be a finite number"),
+    ("-c", "-inf", "-c -inf: must be a finite number"),
+    ("-c", "-0.1", "-c -0.1: must be 0 or more"),
+    ("-sl", "nan", "-sl nan: must be a finite number"),
+    ("-sg", "-1", "-sg -1: must be 0 or more"),
+    ("-x", "-5", "-x -5: must be positive, or -1"),
+    ("-x", "0", "-x 0: must be positive, or -1"),
+    ("-d", "-2", "-d -2: must be positive, or -1"),
+    ("-d", "0", "-d 0: must be positive, or -1"),
+    ("-m", "0", "-m 0: must be positive, or -1"),
+    ("-v", "0", "-v 0: must be positive"),
+    ("-u", "-1", "-u -1: must be 0 or more"),
+    ("-n", "-1", "-n -1: must be 0 or more"),
+    ("-nk", "-1", "-nk -1: must be 0 or more"),
+    ("-s", "-1", "-s -1: must be 0 or more"),
+    ("-y", "2", "-y 2: must be one of 0, 1"),
+    ("-a", "2", "-a 2: must be one of 0, 1"),
+    ("-z", "2", "-z 2: must be one of 0, 1"),
+    ("-r", "3", "-r 3: must be one of 0, 1, 2"),
+    ("-k", "cosin", "-k cosin: must be one of cosine, linear, constant, wsd"),
+    ("--backend", "gpu", "--backend gpu: must be one of auto, numpy, cupy"),
+    ("--max-nonfinite", "-1", "--max-nonfinite -1: must be 0 or more"),
+])
+def test_every_flag_value_is_checked_before_anything_runs(flag, value, message):
+    with pytest.raises(train_gpt2.UsageError, match=re.escape(message)):
+        train_gpt2.parse_args([flag, value])
+
+
+def test_checkpoint_flags_need_an_output_dir():
+    for flag in ("-n", "-y"):
+        with pytest.raises(train_gpt2.UsageError, match=f"{flag} 1 needs -o"):
+            train_gpt2.parse_args([flag, "1"])
+
+
+def test_flags_that_are_fine_pass():
+    args = train_gpt2.parse_args(["-x", "-1", "-d", "-1", "-m", "-1", "-q", "0", "-l", "0", "-o", "out", "-y", "1"])
+    assert (args["x"], args["d"], args["m"], args["q"], args["l"], args["y"]) == (-1, -1, -1, 0.0, 0.0, 1)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-b", "0"], "error: -b 0: must be positive"),                      # a ZeroDivisionError once
+    (["-l", "nan"], "error: -l nan: must be a finite number"),           # all-NaN parameters and exit 0 once
+    (["-i", "data/missing.bin"], "no files match -i/-j pattern 'data/missing.bin'"),
+    (["-zz", "1"], "unknown flag -zz"),
+    (["-b"], "flag -b has no value"),
+    (["-b", "four"], "flag -b needs int value, got 'four'"),
+    (["-d", "1000"], "total batch size -d 1000 is not divisible by B*T*N = 4*32*1 = 128"),
+    (["-t", "2048"], "-t 2048 exceeds the model's max_seq_len 1024"),
+    (["-e", "d7"], "unsupported GPT-2 depth 7"),
+    (["-e", "nothere.bin"], "nothere.bin: no such file"),
+    (["-o", "data/train.bin"], "-o data/train.bin: exists and is not a directory"),
+    (["-o", "data/train.bin/sub"], "-o data/train.bin/sub: cannot use it"),
+])
+def test_bad_input_gets_one_clear_line(shards, args, message):
+    proc = run_train(TINY + data_args() + ["-x", "1"] + args, cwd=shards, check=False)
+    assert_one_line_error(proc, message)
+    assert proc.stderr.startswith("error: ")
+
+
+def test_an_epoch_shorter_than_one_step_is_refused_and_val_batches_are_capped_at_the_split(shards):
+    """One epoch (-x -1) of 8192 tokens with -d 65536 was 0 steps: a run that trained nothing and exited 0.
+    -m beyond the val split's 16 batches read batches twice."""
+    proc = run_train(TINY + data_args() + ["-d", str(65536)], cwd=shards, check=False)
+    assert_one_line_error(proc, "error: one epoch of 'data/train.bin' (8192 tokens) is less than one step's total "
+                                "batch of 65536: use a smaller -d, or -x")
+    out = run_train(TINY + data_args() + ["-x", "1", "-m", "1000"], cwd=shards).stdout
+    assert re.search(r"^\| val_num_batches +\| 16 +\|$", out, re.M)
+
+
+@pytest.mark.skipif(not gpu_missing(), reason="the cupy backend can run here")
+def test_the_cupy_backend_without_cupy_or_a_gpu_is_one_line(shards):
+    proc = run_train(TINY + data_args() + ["-x", "1", "--backend", "cupy"], cwd=shards, check=False)
+    assert_one_line_error(proc, f"error: {gpu_missing()}")
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+def write_tiny_model(path, poison=None, config=None):
+    config = config or GPT2Config.from_descriptor("d2c64h4")
+    params = init_params(config) if config.vocab_size == 50257 else \
+        np.random.default_rng(0).normal(0, 0.02, config.num_parameters).astype(np.float32)
+    if poison is not None:
+        params[10] = poison
+    formats.write_model(path, config, params)
+    return config, params
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_a_model_file_holding_nan_or_inf_is_refused_at_load(shards, poison):
+    write_tiny_model(shards / "poisoned.bin", poison)
+    proc = run_train(["-e", "poisoned.bin"] + TINY[2:] + data_args() + ["-x", "1"], cwd=shards, check=False)
+    assert_one_line_error(proc, "error: poisoned.bin: the model holds NaN or infinite values (1, the first in wte)")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s["m"].__setitem__(5, np.nan), "m holds NaN or infinite values (1, the first at index 5)"),
+    (lambda s: s["v"].__setitem__(7, -1.0), "v holds negative values (1)"),
+])
+def test_a_state_file_holding_garbage_is_refused_at_resume(shards, damage, message):
+    run_train(TINY + data_args() + ["-x", "2", "-n", "2", "-o", "ck"], cwd=shards)
+    path = checkpoint.state_path(shards / "ck", 2)
+    state = formats.read_state(path, P)
+    damage(state)
+    formats.write_state(path, step=2, num_processes=1, rng_state=0, loader_state=state["loader_state"],
+                        m=state["m"], v=state["v"])
+    proc = run_train(TINY + data_args() + ["-x", "4", "-o", "ck", "-y", "1"], cwd=shards, check=False)
+    assert_one_line_error(proc, f"error: {os.path.join('ck', 'state_00000002.bin')}: {message}")
+
+
+def test_a_tokenizer_of_another_vocab_is_refused_at_start(shards):
+    """Once a crash at the first sample, after the first -s steps of training."""
+    formats.write_tokenizer(shards / "gpt2_tokenizer.bin", [b"x%d" % i for i in range(1000)], 999)
+    proc = run_train(TINY[:-8] + ["-v", "1000", "-m", "2", "-s", "5"] + data_args() + ["-x", "5"], cwd=shards,
+                     check=False)
+    assert_one_line_error(proc, "gpt2_tokenizer.bin: vocab mismatch: tokenizer has 1000 tokens, model expects 50257")
+    assert "step " not in proc.stdout
+
+
+def write_hellaswag(directory, largest_id):
+    rng = np.random.default_rng(1)
+    examples = [dict(label=int(rng.integers(4)), context=list(rng.integers(0, 1000, 5)),
+                     completions=[list(rng.integers(0, 1000, 3)) for _ in range(4)]) for _ in range(3)]
+    examples[2]["completions"][1][0] = largest_id
+    os.makedirs(directory / "data" / "hellaswag")
+    formats.write_eval(directory / "data" / "hellaswag" / "hellaswag_val.bin", examples)
+
+
+@pytest.mark.parametrize("largest_id", [50257, 65000])   # a padding row of wte, past every row of wte
+def test_hellaswag_ids_beyond_the_vocab_are_refused_at_start(shards, largest_id):
+    write_hellaswag(shards, largest_id)
+    proc = run_train(TINY + data_args() + ["-x", "2", "-v", "1", "-h", "1"], cwd=shards, check=False)
+    assert_one_line_error(proc, f"example 2 has token id {largest_id}, >= the model's vocab size 50257")
+    assert "step " not in proc.stdout
+
+
+def test_a_model_with_its_own_vocab_samples_and_evaluates_with_its_own_eot(shards):
+    """V = 1000: samples start from the tokenizer's EOT, or V - 1 without one, and HellaSwag pads with it
+    (both were GPT-2's 50256 once: an index error at the first sample or eval)."""
+    config = GPT2Config(num_layers=2, num_heads=4, channels=64, vocab_size=1000, padded_vocab_size=1024)
+    write_tiny_model(shards / "small.bin", config=config)
+    rng = np.random.default_rng(0)
+    formats.write_shard(shards / "data" / "train.bin", rng.integers(0, 1000, 8 * 1024 + 1))
+    formats.write_shard(shards / "data" / "val.bin", rng.integers(0, 1000, 2 * 1024 + 1))
+    write_hellaswag(shards, 999)
+    args = ["-e", "small.bin"] + TINY[2:-8] + ["-v", "1", "-m", "2", "-s", "2", "-g", "5"] + data_args()
+    out = run_train(args + ["-x", "2", "-h", "1"], cwd=shards).stdout
+    assert "HellaSwag: " in out and re.search(r"generating:\n---\n\d+ \d+ \d+ \d+\n---", out)
+    formats.write_tokenizer(shards / "gpt2_tokenizer.bin", [b"<%d>" % i for i in range(1000)], 7)
+    out = run_train(args + ["-x", "2"], cwd=shards).stdout
+    assert re.search(r"generating:\n---\n(<\d+>){4}\n---", out)
+
+
+# ---------------------------------------------------------------------------------------------- the output dir
+
+def start_long_run(shards, out, extra=(), launcher=()):
+    """A run that would go on for a long time, started once its first step line is out."""
+    log = open(shards / f"{out}.stdout", "w")
+    proc = subprocess.Popen([*launcher, sys.executable, TRAIN, *TINY, *data_args(), "-x", "100000", "-o", out,
+                             *extra], cwd=shards, env=env(), stdout=log, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and "step    2/" not in open(log.name).read():
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stderr.read()
+    return proc
+
+
+def test_a_second_run_into_a_directory_in_use_refuses(shards):
+    """Two runs writing one -o once made a DONE checkpoint of one run's model and the other's state."""
+    first = start_long_run(shards, "ck", ["-n", "1"])
+    try:
+        proc = run_train(TINY + data_args() + ["-x", "2", "-n", "1", "-o", "ck", "-y", "1"], cwd=shards, check=False)
+        assert_one_line_error(proc, f"-o ck: the run of pid {first.pid} on ")
+        assert "is writing there: wait for it to end, or use another -o" in proc.stderr
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    # the lock goes with its process, even one killed with -9: now -y 1 resumes
+    assert "resuming from checkpoint" in run_train(TINY + data_args() + ["-x", "2", "-o", "ck", "-y", "1"],
+                                                   cwd=shards).stdout
+
+
+def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_deletes_nothing(shards):
+    run_train(TINY + data_args() + ["-x", "2", "-n", "1", "-o", "ck"], cwd=shards)
+    before = sorted(os.listdir(shards / "ck"))
+    log = (shards / "ck" / "main.log").read_text()
+    proc = run_train(TINY + data_args() + ["-x", "2", "-o", "ck"], cwd=shards, check=False)
+    assert_one_line_error(proc, "error: -o ck holds checkpoints of an earlier run (the newest at step 2): "
+                                "use -y 1 to resume, or another -o")
+    assert sorted(os.listdir(shards / "ck")) == before and (shards / "ck" / "main.log").read_text() == log
+
+
+def test_temporary_files_of_killed_writes_are_removed_at_start(shards):
+    os.makedirs(shards / "ck")
+    for name in ("model_00000003.bin.4242.tmp", "DONE_00000003.17.tmp", "notes.tmp"):
+        (shards / "ck" / name).write_bytes(b"half")
+    run_train(TINY + data_args() + ["-x", "1", "-o", "ck", "-y", "1"], cwd=shards)
+    assert sorted(os.listdir(shards / "ck")) == ["LOCK", "main.log", "notes.tmp"]   # only ours go
+
+
+def limit_file_size(nbytes):
+    def preexec():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))   # Python ignores SIGXFSZ: writes get EFBIG
+    return preexec
+
+
+@pytest.mark.parametrize("fault", ["a file size limit", "a directory where the model file goes"])
+def test_a_checkpoint_that_cannot_be_written_stops_with_one_line_and_the_last_one_stays(shards, fault):
+    run_train(TINY + data_args() + ["-x", "2", "-n", "2", "-o", "ck"], cwd=shards)
+    args = TINY + data_args() + ["-x", "4", "-n", "2", "-o", "ck", "-y", "1"]
+    if fault == "a file size limit":   # the model file (13.5 MB) fits under it, the state file (27 MB) does not
+        preexec, problem, left = limit_file_size(20 << 20), "(File too large)", []
+    else:
+        os.makedirs(shards / "ck" / "model_00000004.bin")
+        preexec, problem, left = None, "Is a directory", ["model_00000004.bin"]
+    proc = subprocess.run([sys.executable, TRAIN, *args], cwd=shards, env=env(), capture_output=True, text=True,
+                          timeout=300, preexec_fn=preexec)
+    assert_one_line_error(proc, "error: cannot write the checkpoint at step 4 in ck (")
+    assert problem in proc.stderr and "; the checkpoint at step 2 is intact: -y 1 resumes it" in proc.stderr
+    assert sorted(os.listdir(shards / "ck")) == sorted(["DONE_00000002", "LOCK", "main.log", "model_00000002.bin",
+                                                        "state_00000002.bin"] + left)
+    if left:
+        os.rmdir(shards / "ck" / left[0])
+    assert "resuming from checkpoint at step 2" in run_train(args, cwd=shards).stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_under_the_log_stops_with_one_line(shards):
+    os.makedirs(shards / "out")
+    os.symlink("/dev/full", shards / "out" / "main.log")   # every write there fails with ENOSPC
+    proc = run_train(TINY + data_args() + ["-x", "2", "-o", "out"], cwd=shards, check=False)
+    assert_one_line_error(proc, f"error: cannot write {os.path.join('out', 'main.log')} (No space left on device)")
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+def test_resume_with_another_seq_len_or_train_data_is_refused(shards):
+    """The saved position counts samples of T+1 tokens of one train set: elsewhere it would skip or repeat data."""
+    run_train(TINY + data_args() + ["-x", "2", "-n", "2", "-o", "ck"], cwd=shards)
+    state = os.path.join("ck", "state_00000002.bin")
+    proc = run_train(TINY[:4] + ["-t", "16"] + TINY[6:] + data_args() + ["-x", "4", "-o", "ck", "-y", "1"],
+                     cwd=shards, check=False)
+    assert_one_line_error(proc, f"error: {state}: written with -t 32, and this run has -t 16")
+    formats.write_shard(shards / "data" / "more.bin", np.zeros(4 * 1024 + 1, np.int64))
+    proc = run_train(TINY + ["-i", "data/*.bin", "-j", "data/val.bin", "-x", "4", "-o", "ck", "-y", "1"],
+                     cwd=shards, check=False)
+    assert_one_line_error(proc, f"error: {state}: written over train data of 256 samples per epoch, and "
+                                f"'data/*.bin' has 448")
+
+
+def test_resume_restores_the_outlier_windows_exactly(shards):
+    """The -sl/-sg windows fill at step 129; a run resumed at 130 must print the same z-scores and skip the
+    same updates as the run that went on (once it restarted with empty windows and differed by 6.5e-3)."""
+    args = ["-e", "d1c16h4", "-b", "1", "-t", "8"] + TINY[6:] + data_args() + ["-x", "136", "-sl", "0.1", "-o", "ck"]
+    full = run_train(args + ["-n", "130"], cwd=shards).stdout
+    checkpoint.delete(shards / "ck", 136)
+    resumed = run_train(args + ["-y", "1"], cwd=shards).stdout
+    pattern = re.compile(r"^step +\d+/136 \| loss (\S+) \((\S+)z\)\| norm (\S+) \((\S+)z\)", re.M)
+    assert "skipping update due to loss z-score" in full.split("step  130/136")[1]
+    assert len(pattern.findall(resumed)) == 6 and pattern.findall(resumed) == pattern.findall(full)[130:]
+
+
+# ---------------------------------------------------------------------------------------------- divergence
+
+def test_a_diverged_run_stops_after_max_nonfinite_steps_in_a_row(shards):
+    """-l 1e30: the first update sends the parameters to 1e30, every loss after it is NaN. The run once
+    went on skipping to its last step and exited 0."""
+    args = TINY[:6] + ["-l", "1e30"] + TINY[8:] + data_args()
+    proc = run_train(args + ["-x", "50"], cwd=shards, check=False)   # --max-nonfinite 5
+    assert_one_line_error(proc, "error: stopping: 5 steps in a row had a non-finite loss or grad norm")
+    assert proc.stdout.count("skipping update: non-finite") == 4 and "step    6/50" not in proc.stdout
+    out = run_train(args + ["-x", "8", "--max-nonfinite", "0"], cwd=shards).stdout   # 0: never stop
+    assert out.count("skipping update: non-finite") == 7
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_non_finite_loss_never_reaches_the_weights():
+    from llm.backends import get_backend
+    from llm.comm import SingleComm
+    from llm.layout import ParamViews
+    from llm.model import GPT2
+    from llm.outliers import UpdateGuard
+    from llm.step import train_step
+    from llm.zero import ZeroOptimizer
+    config = GPT2Config.from_descriptor("d2c64h4")
+    params = init_params(config)
+    ParamViews(params, config).lnfb[0] = np.inf           # every logit, and so every loss, becomes nan
+    model = GPT2(config, get_backend("numpy"))
+    model.load_params(params)
+    optimizer = ZeroOptimizer(model, SingleComm(), 0, 0.0)
+    tokens = np.random.default_rng(0).integers(0, 50257, (2, 9)).astype(np.int32)
+    result = train_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])], 1e-3, 1, UpdateGuard())
+    assert result.skipped.startswith("skipping update: non-finite loss nan")
+    np.testing.assert_array_equal(model.params_numpy(), params)   # untouched, inf included
+
+
+# ---------------------------------------------------------------------------------------------- signals
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_a_single_process_with_one_line(shards, sig):
+    proc = start_long_run(shards, "out")
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig
+    assert stderr.strip() == f"stopped by {sig.name}"
+
+
+def wait_for_the_end(proc, marker, timeout=30):
+    """Wait for an mpiexec job; -> (returncode, stderr, seconds). Fails if any rank of it is left running."""
+    t0 = time.time()
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the job still ran {timeout} s later")
+    seconds = time.time() - t0
+    while (rank_pids(marker, 0) or rank_pids(marker, 1)) and time.time() - t0 < timeout:
+        time.sleep(0.1)   # the launcher may return while a killed rank is still being torn down
+    assert not rank_pids(marker, 0) and not rank_pids(marker, 1), f"a rank is still running:\n{stderr}"
+    return proc.returncode, stderr, seconds
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("sig, target", [(signal.SIGINT, "every process"),   # Ctrl-C in a terminal
+                                         (signal.SIGTERM, "mpiexec"),        # a scheduler ending the job
+                                         (signal.SIGINT, "rank 1")])
+def test_a_signal_under_mpiexec_stops_every_rank_with_one_line(shards, sig, target):
+    """Ctrl-C once left rank 0 with a KeyboardInterrupt traceback and rank 1 spinning in a collective."""
+    proc = start_long_run(shards, "sig", ["-z", "1"], launcher=mpirun(2))
+    if target == "every process":
+        os.killpg(proc.pid, sig)
+    elif target == "mpiexec":
+        proc.send_signal(sig)
+    else:
+        os.kill(rank_pids("sig", 1)[0], sig)
+    code, stderr, seconds = wait_for_the_end(proc, "sig")
+    assert code != 0 and seconds < 10 and "Traceback" not in stderr, stderr
+    assert len(re.findall(rf"^rank \d: stopped by {sig.name}$", stderr, re.M)) == 1, stderr
+
+
+@needs_mpiexec
+def test_an_unexpected_exception_on_one_rank_prints_its_traceback_and_stops_every_rank(shards):
+    proc = subprocess.Popen(mpirun(2) + [sys.executable, os.path.join(REPO, "tests", "mpi_crash.py"), *TINY,
+                                         *data_args(), "-x", "100000", "-o", "crash"],
+                            cwd=shards, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    code, stderr, _ = wait_for_the_end(proc, "crash", timeout=60)
+    assert code != 0
+    assert "rank 1: Traceback (most recent call last)" in stderr
+    assert "RuntimeError: an unexpected bug on rank 1" in stderr
+
+
+def test_threads_per_rank_are_the_cores_shared_among_the_local_ranks(monkeypatch):
+    from llm import launch
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()   # nothing leaks into later tests
+                                        if k not in (*launch.THREAD_VARS, *launch.LOCAL_SIZE_VARS, *launch.YIELD_VARS)})
+    monkeypatch.setattr(launch, "cores", lambda: 8)
+    os.environ["MPI_LOCALNRANKS"] = "3"                       # mpich's hydra
+    assert launch.threads_per_rank() == 2
+    os.environ["OMP_NUM_THREADS"] = "1"                       # what the user sets stays
+    launch.configure_threads()
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "2" and os.environ["OMP_NUM_THREADS"] == "1"
+    assert not set(launch.YIELD_VARS) & set(os.environ)        # 3 ranks on 8 cores: waiting may spin
+    del os.environ["MPI_LOCALNRANKS"]
+    os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"] = "16"           # Open MPI, more ranks than cores
+    assert launch.threads_per_rank() == 1
+    launch.configure_threads()
+    assert all(os.environ[name] == value for name, value in launch.YIELD_VARS.items())
+
+
+@needs_mpiexec
+def test_ranks_on_few_cores_share_them_instead_of_oversubscribing(shards):
+    """Four ranks once each started a BLAS thread and a pool thread per core: on 2 cores, -np 4 burned 8 times
+    the CPU time of -np 1 (and took 5 times as long). Sized per local rank, they cost about the same."""
+    def cpu_seconds(n):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        run_train(TINY[:2] + ["-b", str(4 // n)] + TINY[4:] + data_args() + ["-d", "128", "-x", "6", "-z", "1"],
+                  cwd=shards, launcher=mpirun(n) if n > 1 else ())
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)   # the ranks are mpiexec's children's children
+        return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    one, four = cpu_seconds(1), cpu_seconds(4)
+    assert four < 2.5 * one, (one, four)
