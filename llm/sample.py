@@ -104,22 +104,22 @@ class Parser(argparse.ArgumentParser):
 
 
 def arguments():
-    parser = Parser(description="Print text sampled from a model checkpoint (llm.c's sampler, plus a prompt, "
-                                "temperature and top-k).")
-    parser.add_argument("-e", default="gpt2_124M.bin", help="model checkpoint .bin (default: gpt2_124M.bin, "
+    parser = Parser(prog="python -m llm.sample", description="Print text sampled from a model checkpoint "
+                    "(llm.c's sampler, plus a prompt, temperature and top-k).")
+    parser.add_argument("-e", default="gpt2_124M.bin", metavar="MODEL", help="model checkpoint .bin (default: gpt2_124M.bin, "
                                                             "which python data/gpt2.py writes)")
-    parser.add_argument("--prompt", default="", help="text to continue (default: none, start from EOT alone); "
+    parser.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: none, start from EOT alone); "
                                                      "encoding it needs GPT-2's BPE ranks, see --vocab")
     parser.add_argument("-n", type=int, default=64, help="new tokens to generate (default: 64)")
-    parser.add_argument("--temperature", type=float, default=1.0,
+    parser.add_argument("--temperature", type=float, default=1.0, metavar="T",
                         help="divides the logits: below 1 is more conservative, above 1 more random (default: 1)")
-    parser.add_argument("--top_k", type=int, default=0,
+    parser.add_argument("--top_k", type=int, default=0, metavar="K",
                         help="sample from the k most likely tokens only; 1 is greedy (default: 0, all)")
     parser.add_argument("--seed", type=int, default=SEED, help=f"the sampler's seed (default: {SEED}, llm.c's)")
     parser.add_argument("--backend", default="auto", help="numpy, cupy, or auto: cupy when a GPU is usable")
-    parser.add_argument("--tokenizer", default="gpt2_tokenizer.bin",
+    parser.add_argument("--tokenizer", default="gpt2_tokenizer.bin", metavar="PATH",
                         help="llm.c's tokenizer file, to decode the text (default: gpt2_tokenizer.bin)")
-    parser.add_argument("--vocab", help="GPT-2's BPE ranks, a gpt2.tiktoken file, to encode the prompt "
+    parser.add_argument("--vocab", metavar="PATH", help="GPT-2's BPE ranks, a gpt2.tiktoken file, to encode the prompt "
                                         "(default: $GPT2_VOCAB, else tiktoken's download)")
     return parser
 
