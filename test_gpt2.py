@@ -62,9 +62,9 @@ def reference_run(config, params, x, y, steps):
     return first, losses
 
 
-def trainer_run(config, params, x, y, steps, backend):
+def trainer_run(config, params, x, y, steps, backend, cuda_graph):
     """The same on llm/: the trainer's model, optimizer and training step, with a single process."""
-    model = GPT2(config, backend)
+    model = GPT2(config, backend, cuda_graph=cuda_graph)
     model.load_params(params)
     optimizer = ZeroOptimizer(model, SingleComm(), zero_stage=0, weight_decay=0.0)
     guard = UpdateGuard()
@@ -116,6 +116,8 @@ def main():
                         help="default: bf16 on cupy, fp32 on numpy")
     parser.add_argument("--attention", default="auto", choices=["auto", "cudnn"],
                         help="default: flash attention on the GPU in bf16; cudnn: cuDNN's fused attention")
+    parser.add_argument("--cuda-graph", type=int, default=1, choices=[0, 1],
+                        help="replay the forward and backward as CUDA graphs (cupy in bf16), as training does")
     parser.add_argument("--model", default="d2c64h4", help="descriptor of the random model (default d2c64h4)")
     args = parser.parse_args()
     if bool(args.e) != bool(args.ds):
@@ -145,7 +147,7 @@ def main():
         print(f"error: {e}", file=sys.stderr)
         return 1
 
-    got, got_losses = trainer_run(config, params, x, y, STEPS, backend)
+    got, got_losses = trainer_run(config, params, x, y, STEPS, backend, bool(args.cuda_graph))
     if args.e:
         want = (state["logits"], float(state["loss"]), dict(ParamViews(state["grads"], config)))
         is_gpt2_124m = config.num_parameters == 124475904 and x.shape == (4, 64)

@@ -90,6 +90,8 @@ FLAGS = {
     "--comm": ("auto", str, one_of("auto", "nccl"), "auto, or nccl: NCCL between GPUs even for a single rank"),
     "--attention": ("auto", str, one_of("auto", "cudnn"),
                     "auto (flash attention written here), or cudnn: cuDNN's (pip install .[cudnn])"),
+    "--cuda-graph": (1, int, ZERO_ONE, "replay each forward and backward as a recorded CUDA graph (0/1; "
+                                       "the cupy backend in bf16)"),
     "--max-nonfinite": (5, int, AT_LEAST_0, "stop after this many steps in a row with a non-finite loss or "
                                             "grad norm (0: never)"),
 }
@@ -139,7 +141,7 @@ def build_model(args, backend):
     else:
         config = GPT2Config.from_descriptor(source)
         params = init_params(config)
-    model = GPT2(config, backend, recompute=args["r"])
+    model = GPT2(config, backend, recompute=args["r"], cuda_graph=bool(args["cuda-graph"]))
     model.load_params(params)
     return model
 

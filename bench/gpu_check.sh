@@ -2,7 +2,7 @@
 # One pass on a GPU machine: versions, the backend's op checks, test_gpt2 in fp32 and bf16, and the d12
 # throughput benchmark beside torch.compile's. Logs go to $OUT (or ./gpu_logs).
 # Usage: bash bench/gpu_check.sh [stage ...]
-# stages: env ops test bench torch d48 train mpi ckpt (default: env ops test bench torch)
+# stages: env ops test bench small torch d48 train mpi ckpt (default: env ops test bench torch)
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
@@ -18,18 +18,23 @@ for stage in $stages; do
 print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'nccl', nccl.get_version(),
       'numpy', numpy.__version__, 'ml_dtypes', ml_dtypes.__version__, 'mpi4py', mpi4py.__version__)" ;;
   ops)
-    timeout 300 python3 -m pytest -q -x tests/test_cupy_backend.py 2>&1 | tee "$OUT/ops.log" | tail -25 ;;
+    timeout 300 python3 -m pytest -q -x -rs tests/test_cupy_backend.py 2>&1 | tee "$OUT/ops.log" | tail -25 ;;
   test)
     timeout 150 python3 test_gpt2.py --backend cupy --precision fp32 2>&1 | tee "$OUT/test_fp32.log" | tail -32
     timeout 150 python3 test_gpt2.py --backend cupy --precision bf16 2>&1 | tee "$OUT/test_bf16.log" | tail -32
     timeout 150 python3 test_gpt2.py --backend cupy --attention cudnn 2>&1 | tee "$OUT/test_cudnn.log" | tail -32 ;;
-  bench)   # flash attention (the default), cuDNN's, and cuDNN's with -r 2
-    for opts in "" "--attention cudnn" "--attention cudnn -r 2"; do
+  bench)   # flash attention (the default), without CUDA graphs, cuDNN's, and cuDNN's with -r 2
+    for opts in "" "--cuda-graph 0" "--attention cudnn" "--attention cudnn -r 2"; do
       timeout 200 python3 bench/step.py --backend cupy --model d12 -b 64 -t 1024 --steps 8 $opts 2>&1 |
         tee -a "$OUT/bench.log" | grep -vE "^(step|warm-up)"
     done ;;
-  d48)     # GPT-2 1.5B: B=16 beside llm.c's figures, then larger batches until one does not fit
-    for b in 16 32 40 48; do
+  small)   # a small batch, where launching ~300 kernels a step from Python costs most: graphs on and off
+    for opts in "" "--cuda-graph 0"; do
+      timeout 200 python3 bench/step.py --backend cupy --model d12 -b 4 -t 1024 --steps 20 $opts 2>&1 |
+        tee -a "$OUT/small.log" | grep -E "^d12|median|memory"
+    done ;;
+  d48)     # GPT-2 1.5B: B=16 beside llm.c's figures, and B=56, the largest batch known to fit
+    for b in 16 56; do
       timeout 200 python3 bench/step.py --backend cupy --model d48 -b $b -t 1024 --steps 3 2>&1 |
         tee -a "$OUT/d48.log" | grep -E "^d48|median|memory|Error" | head -4
     done ;;
@@ -39,6 +44,10 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     common="-e d12 -b 8 -t 256 -l 3e-4 -x 30 -v 10 -m 4 -s 0 $TS"
     timeout 200 python3 train_gpt2.py $common --backend cupy --precision fp32 -f 0 > "$OUT/train_fp32.log" 2>&1
     timeout 200 python3 train_gpt2.py $common --backend cupy > "$OUT/train_bf16.log" 2>&1
+    timeout 200 python3 train_gpt2.py $common --backend cupy --cuda-graph 0 > "$OUT/train_bf16_eager.log" 2>&1
+    losses() { grep -E '^(step|val)' "$1" | cut -d'|' -f1-3; }   # step, loss, norm: no timings
+    echo "bf16 with CUDA graphs against without, losses and norms: $(diff <(losses "$OUT/train_bf16.log") \
+      <(losses "$OUT/train_bf16_eager.log") > /dev/null && echo identical || echo DIFFERENT)"
     timeout 200 python3 train_gpt2.py $common --backend cupy --attention cudnn > "$OUT/train_cudnn.log" 2>&1
     timeout 240 python3 train_gpt2.py $common --backend numpy > "$OUT/train_numpy.log" 2>&1
     for f in numpy fp32 bf16 cudnn; do echo "$f: $(grep -E '^step' "$OUT/train_$f.log" | tail -1)"; done ;;

@@ -4,10 +4,12 @@ where one step's time goes.
     python bench/step.py --backend numpy            GPT-2 124M, B=4, T=64 on the CPU
     python bench/step.py --backend cupy             GPT-2 124M, B=64, T=1024, bf16 on the GPU
     options: --model d12 -b B -t T --precision bf16|fp32 --steps 6 -r 1 --attention auto|cudnn
+             --cuda-graph 1|0
 
 Prints each step's time, the median as `median 1234.5 ms/step`, tok/s and MFU (llm.c's FLOPs per token
 against the device's peak, where known), memory on the GPU (the pool, and the peak that nvidia-smi saw
-while the steps ran), then a table of one step's time per backend op.
+while the steps ran), then a table of one step's time per backend op (that step runs without CUDA graphs, so that each op
+can be timed on its own).
 """
 import argparse
 import contextlib
@@ -107,11 +109,13 @@ def main():
     parser.add_argument("--steps", type=int, default=6, help="timed steps, after two warm-up steps")
     parser.add_argument("-r", type=int, default=1, help="recompute: 0 none, 1 GELU, 2 GELU and layernorms")
     parser.add_argument("--attention", default="auto", choices=["auto", "cudnn"])
+    parser.add_argument("--cuda-graph", type=int, default=1, choices=[0, 1],
+                        help="replay the forward and backward as CUDA graphs (cupy in bf16), as training does")
     args = parser.parse_args()
     backend = get_backend(args.backend, args.precision, attention=args.attention)
     B, T = args.b or DEFAULT_BT[backend.name][0], args.t or DEFAULT_BT[backend.name][1]
     config = GPT2Config.from_descriptor(args.model)
-    model = GPT2(config, backend, recompute=args.r)
+    model = GPT2(config, backend, recompute=args.r, cuda_graph=bool(args.cuda_graph))
     if config.num_parameters < 400_000_000:
         model.load_params(init_params(config))
     else:   # llm.c's init would take minutes on the host; the timing does not depend on the values
@@ -130,9 +134,10 @@ def main():
         return result, (time.perf_counter() - t0) * 1000
 
     print(f"{args.model} B={B} T={T} {backend.precision} -r {args.r} attention "
-          f"{getattr(backend, 'attention', 'naive')} on {backend.device_name()}: "
+          f"{getattr(backend, 'attention', 'naive')}{' CUDA graphs' if model.cuda_graph else ''} on "
+          f"{backend.device_name()}: "
           f"activations {model.activations(B, T).nbytes / 2**20:,.0f} MiB")
-    for t in (1, 2):   # warm-up: compiles every kernel, fills the memory pool
+    for t in (1, 2):   # warm-up: compiles every kernel, fills the memory pool, records the graphs
         print(f"warm-up step {t}: loss {step(t)[0].loss:.4f}")
     times = []
     with GpuMemoryPeak(backend) if backend.name == "cupy" else contextlib.nullcontext() as peak:
@@ -149,7 +154,7 @@ def main():
         pool = backend.xp.get_default_memory_pool()
         print(f"memory: pool {pool.total_bytes() / 2**20:,.0f} MiB, peak in use by nvidia-smi "
               f"{peak.peak_mib if peak.peak_mib is not None else 'n/a'} MiB")
-    timer.enabled = True
+    timer.enabled, model.cuda_graph = True, False
     step(3 + args.steps)
     timer.enabled = False
     print(timer.table())

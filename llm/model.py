@@ -7,6 +7,9 @@ The model never asks which backend it runs on: every op is `self.backend.<op>` o
   backward(targets, dloss)   -> losses: the fused classifier (losses and dlogits in one pass), then the
                                 gradients of every layer, accumulated into grads
   validate(inputs, targets)  -> losses: forward and the classifier's losses alone (llm.c's gpt2_validate)
+
+On the GPU the device work of a forward or a backward (everything after the token ids are copied in) can be
+recorded once as a CUDA graph and replayed: one launch instead of some 150 from Python (see _run).
 """
 import numpy as np
 
@@ -54,6 +57,7 @@ class Activations:
         self.residual3 = alloc((L, B, T, C))
         self.lnf = alloc((B, T, C))
         self.lnf_mean, self.lnf_rstd = alloc((B, T), f32), alloc((B, T), f32)
+        self.inputs, self.targets = alloc((B, T), np.int32), alloc((B, T), np.int32)   # token ids, copied in
         self.losses = alloc((B, T), f32)
         self.dresidual = alloc((B, T, C))   # the residual stream's gradient, carried down the layers
         self.dln = alloc((B, T, C))         # the gradient at a layernorm's output
@@ -79,7 +83,7 @@ class Activations:
 class GPT2:
     """GPT-2 with llm.c's flat buffers: params and grads are each one array; named views point into them."""
 
-    def __init__(self, config, backend, recompute=1):
+    def __init__(self, config, backend, recompute=1, cuda_graph=False):
         if recompute not in (0, 1, 2):
             raise ValueError(f"recompute must be 0 (keep every activation), 1 (recompute GELU) or 2 "
                              f"(GELU and layernorms), not {recompute}")
@@ -88,7 +92,9 @@ class GPT2:
         self.grads_flat = backend.xp.zeros(config.num_parameters, backend.dtype)
         self._views()
         self._acts = {}        # (B, T) -> Activations
-        self._pending = None   # (acts, inputs) of the last forward, which backward starts from
+        self._pending = None   # the activations of the last forward, which backward starts from
+        self.cuda_graph = cuda_graph and backend.can_record   # only the cupy backend records graphs
+        self._graphs = {}      # ("forward", B, T) or ("backward", B, T, dloss) -> None (seen once) or a graph
 
     def _views(self):
         P = self.config.num_parameters
@@ -107,6 +113,7 @@ class GPT2:
                 padded[:self.config.num_parameters] = getattr(self, name)[:self.config.num_parameters]
                 setattr(self, name, padded)
             self._views()
+            self._graphs.clear()   # they point at the old buffers
 
     # ---- parameters in and out (host float32, the checkpoint's layout) ----
     def load_params(self, flat):
@@ -131,14 +138,19 @@ class GPT2:
     # ---- forward ----
     def forward(self, inputs):
         """The logits (B, T, Vp) for token ids `inputs` (B, T); every activation is kept for backward()."""
-        cfg, be, p = self.config, self.backend, self.params
         B, T = inputs.shape
-        L, NH = cfg.num_layers, cfg.num_heads
-        if T > cfg.max_seq_len:
-            raise ValueError(f"sequence length T={T} exceeds the model's max_seq_len {cfg.max_seq_len}")
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence length T={T} exceeds the model's max_seq_len {self.config.max_seq_len}")
         a = self.activations(B, T)
-        inp = be.asarray(np.ascontiguousarray(inputs, np.int32))
-        be.encoder_forward(a.encoded, inp, p.wte, p.wpe)
+        self.backend.copy_in(a.inputs, np.ascontiguousarray(inputs, np.int32))
+        self._run(("forward", B, T), lambda: self._forward(a))
+        self._pending = a
+        return a.logits
+
+    def _forward(self, a):
+        cfg, be, p = self.config, self.backend, self.params
+        L, NH = cfg.num_layers, cfg.num_heads
+        be.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe)
         for l in range(L):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             ln1, ln2, fch_gelu = a.ln1_of(l), a.ln2_of(l), a.fch_gelu_of(l)
@@ -153,19 +165,14 @@ class GPT2:
             be.residual_forward(a.residual3[l], a.residual2[l], a.proj)
         be.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], p.lnfw, p.lnfb)
         be.matmul_forward(a.logits, a.lnf, p.wte, None)   # the lm_head is tied to wte, no bias
-        self._pending = (a, inp)
-        return a.logits
 
     def validate(self, inputs, targets):
         """Per-position losses (B, T) float32 of a forward on `inputs`; no gradient is computed."""
-        logits = self.forward(inputs)
-        self._pending = None   # nothing to backpropagate: the logits stay logits
-        losses = self.activations(*inputs.shape).losses
-        self.backend.fused_classifier(logits, losses, self._targets(targets), self.config.vocab_size, None)
-        return losses
-
-    def _targets(self, targets):
-        return self.backend.asarray(np.ascontiguousarray(targets, np.int32))
+        self.forward(inputs)
+        a, self._pending = self._pending, None   # nothing to backpropagate: the logits stay logits
+        self.backend.copy_in(a.targets, np.ascontiguousarray(targets, np.int32))
+        self.backend.fused_classifier(a.logits, a.losses, a.targets, self.config.vocab_size, None)
+        return a.losses
 
     # ---- backward ----
     def backward(self, targets, dloss):
@@ -180,11 +187,15 @@ class GPT2:
         branch's share into it."""
         if self._pending is None:
             raise RuntimeError("backward() needs a forward(inputs) first")
+        a, self._pending = self._pending, None
+        self.backend.copy_in(a.targets, np.ascontiguousarray(targets, np.int32))
+        self._run(("backward",) + a.targets.shape + (dloss,), lambda: self._backward(a, dloss))
+        return a.losses
+
+    def _backward(self, a, dloss):
         cfg, be, p, g = self.config, self.backend, self.params, self.grads
-        a, inp = self._pending
-        self._pending = None
         L, NH = cfg.num_layers, cfg.num_heads
-        be.fused_classifier(a.logits, a.losses, self._targets(targets), cfg.vocab_size, dloss)
+        be.fused_classifier(a.logits, a.losses, a.targets, cfg.vocab_size, dloss)
         be.matmul_backward(a.dln, g.wte, None, a.logits, a.lnf, p.wte)   # logits holds dlogits now
         a.dresidual.fill(0)
         be.layernorm_backward(a.dresidual, g.lnfw, g.lnfb, a.dln, a.residual3[L - 1], p.lnfw,
@@ -209,5 +220,24 @@ class GPT2:
             be.matmul_backward(a.dln, g.qkvw[l], g.qkvb[l], a.dqkv, ln1, p.qkvw[l])
             be.layernorm_backward(a.dresidual, g.ln1w[l], g.ln1b[l], a.dln, residual, p.ln1w[l],
                                   a.ln1_mean[l], a.ln1_rstd[l])
-        be.encoder_backward(g.wte, g.wpe, a.dresidual, inp)
-        return a.losses
+        be.encoder_backward(g.wte, g.wpe, a.dresidual, a.inputs)
+
+    def _run(self, key, work):
+        """Run `work`, a forward's or a backward's device work, which reads and writes only buffers that
+        stay put (parameters, gradients, activations, scratch), so that a record of it stays valid.
+
+        Without CUDA graphs it just runs. With them, the first call for a shape runs it directly (this
+        compiles the kernels, plans the GEMMs and allocates the scratch, none of which a recording may do);
+        the second records its launches as a graph (recording runs nothing), and that call and every later
+        one replays the graph: the same kernels, in the same order, on the same buffers, so the results are
+        the same to the bit."""
+        if not self.cuda_graph:
+            work()
+            return
+        if key not in self._graphs:
+            self._graphs[key] = None
+            work()
+            return
+        if self._graphs[key] is None:
+            self._graphs[key] = self.backend.record(work)
+        self._graphs[key].replay()

@@ -311,3 +311,36 @@ def test_sumsq_is_float32_deterministic_and_takes_unaligned_segments(gpu):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-s"]))
+
+
+@pytest.mark.parametrize("attention", ["flash", pytest.param("cudnn", marks=pytest.mark.skipif(
+    not cudnn_usable(), reason="needs nvidia-cudnn-frontend"))])
+def test_training_replayed_from_cuda_graphs_equals_training_without_to_the_bit(attention):
+    from llm.comm import SingleComm
+    from llm.config import GPT2Config
+    from llm.model import GPT2
+    from llm.outliers import UpdateGuard
+    from llm.step import train_step
+    from llm.weight_init import init_params
+    from llm.zero import ZeroOptimizer
+    config = GPT2Config.from_descriptor("d2c64h4")
+    params = init_params(config)
+    rng = np.random.default_rng(0)
+    steps = [[tuple(rng.integers(0, config.vocab_size, (2, 2, 32), dtype=np.int32)) for _ in range(2)]
+             for _ in range(5)]   # 5 steps of 2 micro-batches: graphs recorded at step 2, replayed after
+
+    def train(cuda_graph):
+        model = GPT2(config, CupyBackend("bf16", attention=attention), cuda_graph=cuda_graph)
+        model.load_params(params)
+        optimizer = ZeroOptimizer(model, SingleComm(), zero_stage=0, weight_decay=0.1)
+        guard = UpdateGuard()
+        losses = [train_step(model, optimizer, batches, 1e-3, t + 1, guard).loss for t, batches in enumerate(steps)]
+        val = model.validate(*steps[0][0]).get()
+        return model, losses, model.params_numpy(), val
+
+    eager, graphed = train(False), train(True)
+    assert graphed[0]._graphs and all(g is not None for g in graphed[0]._graphs.values())
+    assert not eager[0]._graphs
+    assert graphed[1] == eager[1]
+    np.testing.assert_array_equal(graphed[2], eager[2])
+    np.testing.assert_array_equal(graphed[3], eager[3])

@@ -11,6 +11,10 @@ Attributes
   precision     "fp32" or "bf16", for printing
   asarray(a, dtype=None)   host numpy array -> backend array (dtype defaults to a's)
   to_numpy(x)   backend array -> numpy array (bf16 becomes float32)
+  copy_in(dst, a)   host numpy array a -> the existing backend array dst, same shape and dtype
+  can_record    whether record() is available: the cupy backend in bf16 (fp32's attention calls cuBLAS
+                through CuPy, which refuses to be recorded)
+  record(work)  work's device work recorded as a CUDA graph, an object whose replay() runs it again
   synchronize() wait for queued device work (no-op on numpy)
   device_name() what the backend computes on, for the printed config
   peak_flops()  the device's dense peak FLOP/s at this precision, for MFU; None where unknown

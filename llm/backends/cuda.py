@@ -82,6 +82,36 @@ class Scratch:
             buf = self._buffers[name] = cupy.empty(shape, dtype=dtype)
         return buf
 
+    def buffers(self):
+        return list(self._buffers.values())
+
+
+class Graph:
+    """A CUDA graph: the launches that work() makes, recorded once, then replayed with one launch.
+
+    Recording runs nothing: each kernel, GEMM and copy that work() issues on the recording stream is
+    written down with its arguments (buffer addresses, sizes, scalars). replay() runs them all again, in
+    order, on the GPU, without Python issuing each one. So a replay reads whatever the buffers hold at
+    that moment, and every buffer work() touches must stay where it is for as long as the graph lives.
+
+    The recording stream is a blocking stream, which the default stream (where everything else runs)
+    waits for and which waits for the default stream: a replay starts after the work queued before it
+    and finishes before the work queued after it. Temporaries that work() allocates while recording
+    come from a memory pool of the graph's own, which nothing else draws from, so no later array is
+    given memory that a replay still writes."""
+
+    def __init__(self, work, keep):
+        self.stream, self.pool, self.keep = cupy.cuda.Stream(), cupy.cuda.MemoryPool(), keep
+        with cupy.cuda.using_allocator(self.pool.malloc), self.stream:
+            self.stream.begin_capture()
+            try:
+                work()
+            finally:
+                self.graph = self.stream.end_capture()
+
+    def replay(self):
+        self.graph.launch(self.stream)
+
 
 class Blas:
     """cuBLAS GEMMs on CuPy arrays with fp32 accumulation (TF32 for fp32 inputs when allowed)."""

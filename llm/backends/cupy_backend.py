@@ -15,7 +15,7 @@ import math
 import numpy as np
 import cupy
 
-from .cuda import BF16, BLOCK, FP32, Blas, BlasLt, Kernels, Scratch, blocks, check_int32, check_packs
+from .cuda import BF16, BLOCK, FP32, Blas, BlasLt, Graph, Kernels, Scratch, blocks, check_int32, check_packs
 
 FLASH_TILE, FLASH_THREADS = 64, 128   # flash_attention.cu's BQ = BK and its 4 warps
 FLASH_HEAD_SIZES = (16, 32, 64)       # the head sizes its kernels are built for
@@ -58,6 +58,19 @@ class CupyBackend:
         if x.dtype == BF16:
             return x.view(cupy.uint16).get().view(BF16).astype(np.float32)
         return x.get()
+
+    def copy_in(self, dst, a):
+        dst.set(a)
+
+    @property
+    def can_record(self):
+        return self.dtype == BF16
+
+    def record(self, work):
+        # what a replay reads and writes must outlive the graph: the scratch buffers of this moment and
+        # cuDNN's workspace are kept with it, in case a later shape replaces them
+        keep = (self.scratch.buffers(), self.cudnn.workspace if self.attention == "cudnn" else None)
+        return Graph(work, keep)
 
     def synchronize(self):
         cupy.cuda.get_current_stream().synchronize()

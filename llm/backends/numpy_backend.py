@@ -31,6 +31,11 @@ class NumpyBackend:
     def to_numpy(self, x):
         return np.array(x)
 
+    def copy_in(self, dst, a):
+        dst[...] = a
+
+    can_record = False   # no CUDA graphs on the CPU
+
     def device_name(self):
         return f"CPU ({self.threads} threads of {cores()} cores, NumPy)"
 
