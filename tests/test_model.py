@@ -27,12 +27,12 @@ def model(recompute=1):
     return m
 
 
-def train_micro_step(m, batch):
+def train_micro_step(m, batch, dloss=1.0 / (B * T)):
     """Logits, then losses and gradients of one forward and backward, as host copies."""
     inputs, targets = batch
     m.zero_grad()
     logits = m.forward(inputs).copy()
-    losses = m.backward(targets, dloss=1.0 / (B * T)).copy()
+    losses = m.backward(targets, dloss).copy()
     return logits, losses, m.grads_numpy()
 
 
@@ -83,3 +83,30 @@ def test_grads_cover_all_sixteen_tensors(batch):
     _, _, grads = train_micro_step(model(), batch)
     views = ParamViews(grads, CONFIG)
     assert all(np.abs(getattr(views, name)).sum() > 0 for name in PARAM_NAMES)
+
+
+
+class Recording:
+    """What a CUDA graph is to the model, on the CPU: the work of the call that recorded it, run again on
+    every replay (the closure keeps that call's arguments, as a graph keeps its kernels' arguments)."""
+
+    def __init__(self, work, log):
+        self.work, self.log = work, log
+
+    def replay(self):
+        self.log.append("replay")
+        self.work()
+
+
+def test_graphs_run_directly_once_record_on_the_second_call_and_replay_per_shape_and_dloss(batch):
+    plain, graphed, log = model(), model(), []
+    graphed.backend.record = lambda work: log.append("record") or Recording(work, log)
+    graphed.cuda_graph = True
+    for dloss in (1.0, 1.0, 1.0, 0.5, 0.5, 1.0):   # a new dloss is a new backward graph, not a replay of the old
+        for want, got in zip(train_micro_step(plain, batch, dloss), train_micro_step(graphed, batch, dloss)):
+            np.testing.assert_array_equal(got, want)
+    # forward: direct, then recorded and replayed 5 times; backward at 1.0: 3 replays, at 0.5: 1
+    assert log.count("record") == 3 and log.count("replay") == 5 + 3 + 1
+    graphed.pad_flat(CONFIG.num_parameters + 1)   # the buffers move: every recording is dropped
+    assert not graphed._graphs
+    np.testing.assert_array_equal(train_micro_step(graphed, batch)[2], train_micro_step(plain, batch)[2])
