@@ -266,7 +266,7 @@ class CupyBackend:
             check_packs((dqkv, dout, qkv, out), hs=hs)
             D = self._buffer("flash_D", (B, NH, T), FP32)
             self._kernel("flash_attention", f"flash_backward_dot_hs{hs}")(
-                (blocks(B * NH * T),), (BLOCK,), (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))
+                (blocks(B * T * NH * hs // 8),), (BLOCK,), (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))
             args = (dqkv, dout, qkv, saved, D, np.int32(T), np.int32(NH), np.float32(LOG2E * scale),
                     np.float32(scale))
             dkv = self._kernel("flash_attention", f"flash_backward_dkv_hs{hs}")

@@ -253,23 +253,28 @@ __device__ void flash_forward(bf16* out, float* lse, const bf16* qkv, int T, int
 }
 
 // ---- backward ------------------------------------------------------------------------------------------
-// D = rowsum(dO * out) per (b, head, t), fp32 (B, NH, T): one thread per row of hs.
+// D = rowsum(dO * out) per (b, head, t), fp32 (B, NH, T). A head's row is HS / 8 packs of 8 bf16, one
+// thread per pack, so that a warp reads 512 contiguous bytes of each input; the HS / 8 threads of a row add
+// their parts by shuffles, and the first writes the row's D.
 template <int HS>
 __device__ void flash_backward_dot(float* D, const bf16* dout, const bf16* out, int B, int T, int NH) {
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // (b, h, t)
-    if (idx >= (long long)B * NH * T) return;
-    const int t = idx % T, h = idx / T % NH;
-    const long long b = idx / T / NH, offset = (b * T + t) * NH * HS + h * HS;
+    constexpr int PACKS = HS / 8;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // pack i of (B, T, NH, HS)
+    const long long row = i / PACKS, rows = (long long)B * T * NH;         // row = (b, t, h)
     float acc = 0.0f;
-    for (int d = 0; d < HS; d += 8) {
-        const uint4 pd = *reinterpret_cast<const uint4*>(dout + offset + d);
-        const uint4 po = *reinterpret_cast<const uint4*>(out + offset + d);
+    if (row < rows) {
+        const uint4 pd = reinterpret_cast<const uint4*>(dout)[i], po = reinterpret_cast<const uint4*>(out)[i];
         const bf16* xd = reinterpret_cast<const bf16*>(&pd);
         const bf16* xo = reinterpret_cast<const bf16*>(&po);
         #pragma unroll
-        for (int i = 0; i < 8; i++) acc += (float)xd[i] * (float)xo[i];
+        for (int k = 0; k < 8; k++) acc += (float)xd[k] * (float)xo[k];
     }
-    D[idx] = acc;
+    #pragma unroll
+    for (int offset = PACKS / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (row < rows && i % PACKS == 0) {
+        const long long bt = row / NH, b = bt / T;
+        D[(b * NH + row % NH) * T + bt % T] = acc;
+    }
 }
 
 // dK and dV of one key tile. Grid (T / BK key tiles, B * NH), 128 threads; warp w owns keys k0 + 16w ...
