@@ -120,9 +120,9 @@ def main():
                         help="replay the forward and backward as CUDA graphs (cupy in bf16), as training does")
     parser.add_argument("--model", default="d2c64h4", help="descriptor of the random model (default d2c64h4)")
     args = parser.parse_args()
-    if bool(args.e) != bool(args.ds):
-        parser.error("-e and -ds go together")
     try:
+        if bool(args.e) != bool(args.ds):
+            raise ValueError("-e and -ds go together: a model file and the debug state written with it")
         backend = get_backend(args.backend, args.precision, allow_tf32=False,   # fp32 means fp32 here
                               attention=args.attention)
         if args.e:

@@ -224,6 +224,9 @@ def main(argv):
     scheduler = LRScheduler(args["k"], args["l"], args["u"], train_steps, args["q"])
     guard = UpdateGuard(args["sl"], args["sg"], args["max-nonfinite"])
     start_step = out.resume(model, optimizer, train_loader, guard) if args["y"] else 0
+    if start_step > train_steps:
+        raise UsageError(f"-o {args['o']}: its newest checkpoint is at step {start_step}, past this run's last step "
+                         f"{train_steps}: raise -x to train on")
     if start_step:
         log0(f"resuming from checkpoint at step {start_step} in {args['o']}")
     throughput = report.Throughput(total_batch, config.flops_per_token(T) * B * T * grad_accum, backend.peak_flops())

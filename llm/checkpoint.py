@@ -127,12 +127,18 @@ def load(out_dir, step, model, optimizer, loader, guard):
                                   f"model given by -e, {model.config}")
     path = state_path(out_dir, step)
     state = formats.read_state(path, model.config.num_parameters)
+    if state["step"] != step:
+        raise formats.FormatError(f"{path}: holds the state of step {state['step']}, not of step {step} as its "
+                                  f"name says: the file is damaged")
     _check_data_position(path, state, loader)
+    try:
+        guard.load_state(state["loss_window"], state["norm_window"], state["nonfinite_streak"])
+        loader.set_state(state["loader_state"])
+    except ValueError as e:   # a window longer than a detector holds, a data position outside the data
+        raise formats.FormatError(f"{path}: {e}") from None
     model.load_params(params)
     optimizer.load_full_state(state["m"], state["v"], state["master"])
-    loader.set_state(state["loader_state"])
-    guard.load_state(state["loss_window"], state["norm_window"], state["nonfinite_streak"])
-    return state["step"]
+    return step
 
 
 def _check_data_position(path, state, loader):

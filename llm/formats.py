@@ -138,6 +138,8 @@ def open_llmc(path, magic, versions):
 
     `versions` maps each accepted version to a short description (or ""). Yields (f, header,
     payload_bytes) with f positioned at the start of the payload."""
+    if os.path.exists(path) and not os.path.isfile(path):   # a directory, or a pipe that open() would wait on
+        raise FormatError(f"{path}: not a file")
     try:
         f = open(path, "rb")
     except FileNotFoundError:

@@ -27,7 +27,8 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BL
 # with more ranks than cores, MPI must give the core away while it waits: MPICH sleeps between idle polls,
 # Open MPI yields
 YIELD_VARS = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "OMPI_MCA_mpi_yield_when_idle": "1"}
-RANK0_FIRST_S = 0.5   # how long other ranks let rank 0 speak first when every rank fails alike
+RANK0_FIRST_S = 0.7   # how long other ranks let rank 0 speak first when every rank fails alike
+FORWARD_S = 0.2       # how long a rank waits, once its line is out, for the launcher to pass it on before the abort
 
 
 def _first_int(names, default):
@@ -86,7 +87,11 @@ def stop(message, code=1):
     Under a launcher the whole job ends through MPI_Abort, started first if this rank had not started MPI
     yet: mpiexec (MPICH's hydra) leaves the other ranks running when one exits with an error code, and
     they would wait for it forever, in MPI's start-up or in a collective. When every rank fails alike (a
-    bad flag, a bad file) the others give rank 0 RANK0_FIRST_S to abort the job, so the line prints once."""
+    bad flag, a bad file) the others give rank 0 RANK0_FIRST_S to abort the job, so the line prints once.
+    The launcher forwards a rank's output through a pipe, and an abort can end the job before it has read
+    the line: the rank waits FORWARD_S after printing it. MPICH's MPI_Abort then prints a line of its own
+    ("Abort(1) on node 0 ...: application called MPI_Abort"), which says nothing more, so stderr goes to
+    /dev/null first."""
     world_size, rank = launched_world_size(), launched_rank()
     if world_size == 1:
         print(message, file=sys.stderr, flush=True)
@@ -96,6 +101,8 @@ def stop(message, code=1):
         time.sleep(RANK0_FIRST_S)
     print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    time.sleep(FORWARD_S)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
     MPI.COMM_WORLD.Abort(code)
 
 

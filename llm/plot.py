@@ -18,12 +18,16 @@ LINE = re.compile(r"s:(\d+) (trl|tel|eval):(\S+)")
 
 
 def read_log(path):
-    """-> train, val, evals: lists of (step, value) from a main.log, in the order of the file."""
+    """-> train, val, evals: lists of (step, value) from a main.log, in the order of the file. Lines that are
+    not log lines (a damaged or foreign file) are passed over."""
     series = {"trl": [], "tel": [], "eval": []}
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         for line in f:
             if m := LINE.match(line):
-                series[m.group(2)].append((int(m.group(1)), float(m.group(3))))
+                try:
+                    series[m.group(2)].append((int(m.group(1)), float(m.group(3))))
+                except ValueError:
+                    pass
     return series["trl"], series["tel"], series["eval"]
 
 
@@ -71,7 +75,11 @@ def main(argv=None):
     if not os.path.exists(log):
         print(f"error: {log}: no such file (train with -o {args.dir} first)", file=sys.stderr)
         return 1
-    train, val, evals = read_log(log)
+    try:
+        train, val, evals = read_log(log)
+    except OSError as e:
+        print(f"error: {log}: cannot read ({e.strerror})", file=sys.stderr)
+        return 1
     if not train and not val:
         print(f"error: {log}: no s:N trl:/tel: lines to plot", file=sys.stderr)
         return 1

@@ -49,6 +49,20 @@ def test_read_log_takes_train_val_and_hellaswag_lines(tmp_path):
     assert evals == [(2, 0.25), (4, 0.3333)]
 
 
+def test_lines_that_are_not_log_lines_are_passed_over(tmp_path):
+    """A value that is no number, or bytes that are no UTF-8, were a traceback once."""
+    log = run_dir(tmp_path, log=None) / "main.log"
+    log.write_bytes(b"s:0 trl:abc\n\xb6\xff\x00 garbage\ns:x tel:1\n" + MAIN_LOG.encode() + b"s:5 tel:1.2.3\n")
+    train, val, evals = plot.read_log(log)
+    assert (len(train), len(val), len(evals)) == (4, 3, 2) and train[0] == (0, 10.987654)
+
+
+def test_an_unreadable_main_log_is_one_line_and_exit_1(tmp_path):
+    (run_dir(tmp_path, log=None) / "main.log").mkdir()
+    proc = run_plot(["run"], cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stderr == "error: run/main.log: cannot read (Is a directory)\n"
+
+
 def test_plot_writes_an_800_by_500_png(tmp_path, capsys):
     run = run_dir(tmp_path)
     assert plot.main([str(run)]) == 0

@@ -65,3 +65,9 @@ def test_test_gpt2_names_a_bad_debug_state_file(tmp_path):
     proc = run("-e", str(tmp_path / "model.bin"), "-ds", str(tmp_path / "debug.bin"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "debug.bin: bad magic 0" in proc.stderr
+
+
+def test_test_gpt2_with_a_model_but_no_debug_state_is_one_line():
+    proc = run("-e", "gpt2_124M.bin")
+    assert proc.returncode == 1
+    assert proc.stderr == "error: -e and -ds go together: a model file and the debug state written with it\n"
