@@ -206,9 +206,13 @@ def main():
         # imap returns the results in the documents' order, however the workers interleave
         tokenized = pool.imap(tokenize, documents, CHUNKSIZE) if pool else map(tokenize, documents)
         ndocs = ntokens = 0
-        for tokens in tokenized:
-            shards.add(tokens)
-            ndocs, ntokens = ndocs + 1, ntokens + len(tokens)
+        try:
+            for tokens in tokenized:
+                shards.add(tokens)
+                ndocs, ntokens = ndocs + 1, ntokens + len(tokens)
+        finally:   # a stream that breaks: its error line goes below the progress bar, not into it
+            if shards.bar:
+                shards.bar.close()
     if ndocs == 0:
         raise PrepError(f"no documents in {' '.join(args.input) if args.input else dataset}")
     if shards.filled:
