@@ -23,7 +23,7 @@ from collections import defaultdict
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run from a checkout
-from llm.backends import get_backend  # noqa: E402
+from llm.backends import BackendError, get_backend  # noqa: E402
 from llm.comm import SingleComm  # noqa: E402
 from llm.config import GPT2Config  # noqa: E402
 from llm.model import GPT2  # noqa: E402
@@ -112,7 +112,10 @@ def main():
     parser.add_argument("--cuda-graph", type=int, default=1, choices=[0, 1],
                         help="replay the forward and backward as CUDA graphs (cupy in bf16), as training does")
     args = parser.parse_args()
-    backend = get_backend(args.backend, args.precision, attention=args.attention)
+    try:
+        backend = get_backend(args.backend, args.precision, attention=args.attention)
+    except BackendError as e:   # no GPU, no cupy: one line, as the other commands
+        sys.exit(f"error: {e}")
     B, T = args.b or DEFAULT_BT[backend.name][0], args.t or DEFAULT_BT[backend.name][1]
     config = GPT2Config.from_descriptor(args.model)
     model = GPT2(config, backend, recompute=args.r, cuda_graph=bool(args.cuda_graph))

@@ -82,6 +82,16 @@ def optional(module, extra):
         raise PrepError(f"this needs the {package} package: pip install .[{extra}]") from None
 
 
+def quiet_hub_retries():
+    """Hugging Face's hub client logs a warning for each of its retries (five, over about 25 s without a
+    network); the caller says the failure once, in its own line."""
+    try:
+        from huggingface_hub.utils import logging as hub_logging   # (loading it sets the level that we change)
+    except ImportError:   # a package that streams without it
+        return
+    hub_logging.set_verbosity_error()
+
+
 def write_shard(path, tokens):
     """formats.write_shard, with llm.c's line saying what is written."""
     size = formats.HEADER_BYTES + 2 * len(tokens)

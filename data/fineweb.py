@@ -26,7 +26,8 @@ import numpy as np
 # run as a script, Python puts data/ on the path; the repo root is needed to import llm and data
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data import REPO, PrepError, arguments, first_line, optional, read_text, reading, run, write_shard   # noqa: E402
+from data import (REPO, PrepError, arguments, first_line, optional, quiet_hub_retries, read_text, reading,   # noqa: E402
+                  run, write_shard)
 from llm import formats   # noqa: E402
 from llm.tokenizer import Tokenizer   # noqa: E402
 
@@ -102,6 +103,7 @@ def fineweb_documents(dataset, version):
     datasets = optional("datasets", "data")
     name = f"sample-{version}T"
     print(f"streaming {dataset} {name}")
+    quiet_hub_retries()
     try:
         rows = datasets.load_dataset(dataset, name=name, split="train", streaming=True)
     except Exception as e:   # offline, the errors differ by datasets version and HTTP library
@@ -204,9 +206,13 @@ def main():
         # imap returns the results in the documents' order, however the workers interleave
         tokenized = pool.imap(tokenize, documents, CHUNKSIZE) if pool else map(tokenize, documents)
         ndocs = ntokens = 0
-        for tokens in tokenized:
-            shards.add(tokens)
-            ndocs, ntokens = ndocs + 1, ntokens + len(tokens)
+        try:
+            for tokens in tokenized:
+                shards.add(tokens)
+                ndocs, ntokens = ndocs + 1, ntokens + len(tokens)
+        finally:   # a stream that breaks: its error line goes below the progress bar, not into it
+            if shards.bar:
+                shards.bar.close()
     if ndocs == 0:
         raise PrepError(f"no documents in {' '.join(args.input) if args.input else dataset}")
     if shards.filled:

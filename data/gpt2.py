@@ -28,7 +28,7 @@ import numpy as np
 # run as a script, Python puts data/ on the path; the repo root is needed to import llm and data
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data import PrepError, arguments, first_line, optional, run   # noqa: E402
+from data import PrepError, arguments, first_line, optional, quiet_hub_retries, run   # noqa: E402
 from llm import formats   # noqa: E402
 from llm.config import DEPTHS, ConfigError, GPT2Config   # noqa: E402
 from llm.layout import ParamViews   # noqa: E402
@@ -90,6 +90,7 @@ def download(model):
     hub = optional("huggingface_hub", "weights")
     repo = f"{HUB}/{model}"
     print(f"downloading {WEIGHTS} of {repo}")
+    quiet_hub_retries()
     try:
         return hub.hf_hub_download(repo, WEIGHTS)
     except Exception as e:   # offline, the errors differ by huggingface_hub version and HTTP library

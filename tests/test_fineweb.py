@@ -1,7 +1,8 @@
 """data/fineweb.py on local files: llm.c's shard names and headers, EOT + tokens of every document in order,
 the same files whatever the number of workers, and one line for each bad input.
 
-Runs without the datasets package (and hides it when installed): local .txt and .jsonl need none."""
+Runs without the datasets package (and hides it when installed): local .txt and .jsonl need none. The stream
+tests put a stand-in for it in the scripts' folder, and hide tqdm, whose progress bar would share stderr."""
 import json
 import os
 
@@ -107,7 +108,7 @@ def test_parquet_text_column_gives_the_same_shards_as_jsonl(tmp_path, inputs, sh
     pq.write_table(table, tmp_path / "docs.parquet", row_group_size=16)
     args = ["--input", tmp_path / "docs.parquet", inputs[1], "--vocab", VOCAB, "--out", tmp_path / "out",
             "--shard_size", SHARD_SIZE, "--workers", 2]
-    proc = fineweb(args, cwd=tmp_path, block=[])
+    proc = fineweb(args, cwd=tmp_path, block=["tqdm"])
     assert proc.returncode == 0, proc.stderr
     out, _ = shards[1]
     for name in shard_names(out):
@@ -135,7 +136,7 @@ def test_without_input_fineweb_is_streamed_from_the_hub_and_sharded_alike(tmp_pa
     fake_datasets(tmp_path, DOCUMENTS + [TXT])
     args = ["--type", "edu", "--version", "100B", "--vocab", VOCAB, "--out", tmp_path / "out",
             "--shard_size", SHARD_SIZE, "--workers", 2]
-    proc = fineweb(args, cwd=tmp_path, block=[])
+    proc = fineweb(args, cwd=tmp_path, block=["tqdm"])
     assert proc.returncode == 0, proc.stderr
     assert "load_dataset(HuggingFaceFW/fineweb-edu, name=sample-100BT, split=train, streaming=True)" in proc.stdout
     out, _ = shards[1]
@@ -146,7 +147,7 @@ def test_without_input_fineweb_is_streamed_from_the_hub_and_sharded_alike(tmp_pa
 @needs_vocab
 def test_a_stream_that_breaks_is_one_line(tmp_path):
     fake_datasets(tmp_path, DOCUMENTS, fail_after=30)
-    proc = fineweb(["--vocab", VOCAB, "--out", tmp_path, "--workers", 2], cwd=tmp_path, block=[])
+    proc = fineweb(["--vocab", VOCAB, "--out", tmp_path, "--workers", 2], cwd=tmp_path, block=["tqdm"])
     assert_one_line_error(proc, "error: HuggingFaceFW/fineweb sample-10BT: streaming stopped "
                                 "(Connection reset by peer)")
 
