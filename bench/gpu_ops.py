@@ -3,7 +3,7 @@
 Every op runs a few times to warm up (compiling its kernels), then `--reps` times, each between two CUDA
 events, behind a short spin kernel so that the host queues the reps ahead of the device and launch
 gaps stay out of the numbers. The table gives the median per op, the bytes it must move over that time
-and, for matmuls, TFLOP/s. The last lines add the ops up into one d12 training step at this B.
+and, for matmuls and attention, TFLOP/s. The last lines add the ops up into one d12 training step at this B.
 
 Usage: python bench/gpu_ops.py [--precision bf16|fp32] [--reps 20] [--B 8]
 """
@@ -99,13 +99,17 @@ def main():
               2 * N * cin * cout, per_step=count)
         bench(f"matmul_backward {label}", lambda: be.matmul_backward(da, dw, dbias, dy, a, w), 2 * mm_bytes,
               4 * N * cin * cout, per_step=count)
-    att_bytes = B * NH * T * T * s
-    bench("attention_forward", lambda: be.attention_forward(out, att, qkv, NH), 3 * att_bytes,
-          4 * B * NH * T * T * (C // NH), per_step=L)
-    bench("attention_backward", lambda: be.attention_backward(dqkv, dx, qkv, att, NH), 6 * att_bytes,
-          8 * B * NH * T * T * (C // NH), per_step=L)
-    bench("gelu_forward", lambda: be.gelu_forward(h, dh), 2 * N * 4 * C * s, per_step=L)
-    bench("gelu_backward", lambda: be.gelu_backward(dh, h, h), 3 * N * 4 * C * s, per_step=L)
+    # causal attention's useful work: half of the (T, T) products, 2 in the forward (S = Q K^T, O = P V) and
+    # 2.5 times as much in the backward, as FlashAttention-2 counts; bytes as flash attention moves them
+    # (qkv in, out out; then qkv, out and dout in, dqkv out), not the (T, T) matrices fp32 keeps
+    att_flops = 2 * B * NH * T * T * (C // NH)
+    bench("attention_forward", lambda: be.attention_forward(out, att, qkv, NH), 4 * N * C * s, att_flops,
+          per_step=L)
+    bench("attention_backward", lambda: be.attention_backward(dqkv, dx, qkv, out, att, NH), 8 * N * C * s,
+          2.5 * att_flops, per_step=L)
+    bench("gelu_forward", lambda: be.gelu_forward(h, dh), 2 * N * 4 * C * s, per_step=L)   # -r 1's recompute
+    bench("gelu_backward", lambda: be.gelu_backward(dh, h, h), 3 * N * 4 * C * s,   # bf16: in the GEMM's epilogue
+          per_step=L if be.precision == "fp32" else 0)
     bench("residual_forward", lambda: be.residual_forward(out, x, dx), 3 * N * C * s, per_step=2 * L)
     bench("fused_classifier", lambda: be.fused_classifier(logits, losses, targets, V, 1.0 / N),
           2 * N * Vp * s, per_step=1)
@@ -117,11 +121,11 @@ def main():
     print(f"{'op':<28}{'ms':>10}{'GB/s':>10}{'TFLOP/s':>10}")
     for name, ms, nbytes, flops, _ in rows:
         tflops = f"{flops / ms / 1e9:10.1f}" if flops else " " * 10
-        print(f"{name:<28}{ms:10.3f}{nbytes / ms / 1e6:10.0f}{tflops}")
+        print(f"{name:<28}{ms:10.3f}{nbytes / ms / 1e6:10.0f}{tflops}")   # per call
     step_ms = sum(ms * count for _, ms, _, _, count in rows)
     step_flops = sum(flops * count for _, _, _, flops, count in rows)
     print(f"sum over one d12 step (ops only, no launch gaps): {step_ms:.2f} ms, "
-          f"{N / step_ms * 1e3:,.0f} tok/s, matmuls {step_flops / step_ms / 1e9:.0f} TFLOP/s averaged over the step")
+          f"{N / step_ms * 1e3:,.0f} tok/s, matmuls and attention {step_flops / step_ms / 1e9:.0f} TFLOP/s averaged over the step")
 
 
 if __name__ == "__main__":
