@@ -8,7 +8,6 @@ It compares the logits, the loss and all 16 parameter gradients of one batch, th
 on that batch and compares the losses. One OK / NOT OK line per check, then `overall okay: 1` (or 0);
 the exit code is non-zero on failure.
 """
-import argparse
 import os
 import sys
 
@@ -17,6 +16,7 @@ import numpy as np
 from llm import formats
 from llm.backends import get_backend
 from llm.comm import SingleComm
+from llm.launch import Parser
 from llm.config import WEIGHTS_HINT, GPT2Config
 from llm.layout import PARAM_NAMES, ParamViews
 from llm.model import GPT2
@@ -107,7 +107,7 @@ def compare(config, got, want, got_losses, want_losses, tolerance):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Check llm/'s GPT-2 against reference/ or llm.c's debug state.")
+    parser = Parser(description="Check llm/'s GPT-2 against reference/ or llm.c's debug state.")
     parser.add_argument("-e", help="llm.c model checkpoint (.bin) to test with; needs -ds")
     parser.add_argument("-ds", help="llm.c debug state file (x, y, logits, loss, grads from PyTorch)")
     parser.add_argument("--backend", default="auto", choices=["numpy", "cupy", "auto"],

@@ -7,7 +7,6 @@ and, for matmuls and attention, TFLOP/s. The last lines add the ops up into one 
 
 Usage: python bench/gpu_ops.py [--precision bf16|fp32] [--reps 20] [--B 8]
 """
-import argparse
 import os
 import statistics
 import sys
@@ -20,6 +19,7 @@ import cupy  # noqa: E402
 
 from llm.backends.cupy_backend import CupyBackend  # noqa: E402
 from llm.config import GPT2Config  # noqa: E402
+from llm.launch import Parser  # noqa: E402
 
 SPIN = r'''
 extern "C" __global__ void spin(long long cycles) {
@@ -44,7 +44,7 @@ def time_op(fn, reps, spin):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--B", type=int, default=8)

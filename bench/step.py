@@ -11,11 +11,9 @@ against the device's peak, where known), memory on the GPU (the pool, and the pe
 while the steps ran), then a table of one step's time per backend op (that step runs without CUDA graphs, so that each op
 can be timed on its own).
 """
-import argparse
 import contextlib
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -26,11 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from llm.backends import BackendError, get_backend  # noqa: E402
 from llm.comm import SingleComm  # noqa: E402
 from llm.config import GPT2Config  # noqa: E402
+from llm.launch import Parser  # noqa: E402
 from llm.model import GPT2  # noqa: E402
 from llm.outliers import UpdateGuard  # noqa: E402
 from llm.step import train_step  # noqa: E402
 from llm.weight_init import init_params  # noqa: E402
 from llm.zero import ZeroOptimizer  # noqa: E402
+from gpu_memory import GpuMemoryPeak  # noqa: E402  (bench/, beside this file)
 
 OPS = ("encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
        "matmul_backward", "matmul_gelu_forward", "matmul_gelu_backward", "attention_forward", "attention_backward", "gelu_forward", "gelu_backward",
@@ -81,26 +81,8 @@ class OpTimer:
         return "\n".join(lines)
 
 
-class GpuMemoryPeak:
-    """The most memory nvidia-smi reports in use on this process's GPU while it runs (sampled every 50 ms)."""
-
-    def __init__(self, backend):
-        self.device, self.peak_mib = backend.xp.cuda.Device().pci_bus_id, None
-
-    def __enter__(self):
-        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                      "-lms", "50", "-i", self.device],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        return self
-
-    def __exit__(self, *_):
-        self.proc.terminate()
-        out = self.proc.communicate()[0]
-        self.peak_mib = max((int(v) for v in out.split() if v.isdigit()), default=None)
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--model", default="d12")
@@ -143,7 +125,8 @@ def main():
     for t in (1, 2):   # warm-up: compiles every kernel, fills the memory pool, records the graphs
         print(f"warm-up step {t}: loss {step(t)[0].loss:.4f}")
     times = []
-    with GpuMemoryPeak(backend) if backend.name == "cupy" else contextlib.nullcontext() as peak:
+    gpu = backend.name == "cupy"
+    with GpuMemoryPeak(backend.xp.cuda.Device().pci_bus_id) if gpu else contextlib.nullcontext() as peak:
         for t in range(3, 3 + args.steps):
             result, ms = step(t)
             times.append(ms)
@@ -153,7 +136,7 @@ def main():
     peak_flops = backend.peak_flops()
     mfu = f"{100 * flops / (ms / 1000) / peak_flops:.1f}%" if peak_flops else "n/a"
     print(f"median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | MFU {mfu}")
-    if backend.name == "cupy":
+    if gpu:
         pool = backend.xp.get_default_memory_pool()
         print(f"memory: pool {pool.total_bytes() / 2**20:,.0f} MiB, peak in use by nvidia-smi "
               f"{peak.peak_mib if peak.peak_mib is not None else 'n/a'} MiB")

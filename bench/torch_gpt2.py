@@ -7,10 +7,8 @@ bf16 autocast with fp32 weights (torch's usual mixed precision), causal scaled_d
 GELU, tied lm_head, fused AdamW with betas (0.9, 0.95), gradient clipping at 1.0: llm.c's step. Prints the
 median ms/step, tok/s and the peak memory (torch's allocator, and nvidia-smi sampled while it runs).
 """
-import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -20,6 +18,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llm.config import GPT2Config  # noqa: E402
+from llm.launch import Parser  # noqa: E402
+from gpu_memory import GpuMemoryPeak  # noqa: E402  (bench/, beside this file)
 
 
 class Block(nn.Module):
@@ -57,7 +57,7 @@ class GPT(nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="d12")
     parser.add_argument("-b", type=int, default=64)
     parser.add_argument("-t", type=int, default=1024)
@@ -92,20 +92,17 @@ def main():
 
     for _ in range(3):   # compiles
         step()
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "50",
-                            "-i", str(torch.cuda.current_device())], stdout=subprocess.PIPE, text=True)
     times = []
-    for _ in range(args.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = step()
-        times.append((time.perf_counter() - t0) * 1000)
-    smi.terminate()
-    peak_smi = max(int(v) for v in smi.communicate()[0].split() if v.isdigit())
+    with GpuMemoryPeak(torch.cuda.current_device()) as peak:
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = step()
+            times.append((time.perf_counter() - t0) * 1000)
     ms = statistics.median(times)
     mode = "eager" if args.no_compile else "torch.compile"
     print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} {args.model} B={B} T={T} bf16: loss {loss:.4f} | "
-          f"median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | peak memory: nvidia-smi {peak_smi} MiB, "
+          f"median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | peak memory: nvidia-smi {peak.peak_mib} MiB, "
           f"torch reserved {torch.cuda.max_memory_reserved() / 2**20:.0f} MiB")
 
 

@@ -1,7 +1,6 @@
 """What the data preparation scripts (data/*.py) share: their common flags, reading the source text
 from a local file or a download, optional packages, writing shards, and printing a user's mistake as
 one line instead of a traceback."""
-import argparse
 from contextlib import contextmanager
 import importlib
 import io
@@ -11,6 +10,7 @@ import urllib.request
 
 from llm import formats
 from llm.formats import FormatError
+from llm.launch import Parser
 from llm.tokenizer import TokenizerError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +28,7 @@ def arguments(description, url, out, input_env=None, input_help="the source file
     script works it out from other flags after parsing (out_help then says how). nargs="+" lets --input
     take several paths."""
     default = f"${input_env}, else a download" if input_env else "a download"
-    parser = argparse.ArgumentParser(description=description)
+    parser = Parser(description=description)
     parser.add_argument("--input", default=input_env and os.environ.get(input_env), nargs=nargs,
                         help=f"{input_help} (default: {default} of {url})")
     parser.add_argument("--vocab", help="GPT-2's BPE ranks, a gpt2.tiktoken file (default: $GPT2_VOCAB, "

@@ -4,6 +4,7 @@
   configure_threads()        size BLAS's threads (and MPI's waiting) from the cores each local rank gets
   install_signal_handlers()  SIGINT (Ctrl-C) and SIGTERM end the run with one line, on every rank
   stop(message, code)        print one line and end this process and, under a launcher, the whole job
+  Parser                     argparse for every command line here: a mistake in the options is one line
 
 This module imports neither numpy nor mpi4py when it loads: configure_threads() must run before numpy is first
 imported, because OpenBLAS reads its thread count once, when it loads.
@@ -12,6 +13,7 @@ Why a job has to be stopped as a whole: a rank that just exits leaves the others
 next collective (or in MPI's start-up), and a rank that raises an exception is in the same place, plus
 mpi4py then calls MPI_Finalize at exit, which waits for the others. MPI_Abort ends every rank at once.
 """
+import argparse
 import os
 import signal
 import sys
@@ -118,3 +120,12 @@ def install_signal_handlers():
     on every rank. A rank in the middle of a collective handles the signal when the collective returns."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a wrong option or value prints one line, "error: ...", and exits with 1, as every
+    other mistake does (argparse's own prints the usage first and exits with 2); --help shows the usage."""
+
+    def error(self, message):
+        print(f"error: {message} (--help lists the options)", file=sys.stderr)
+        sys.exit(1)

@@ -9,10 +9,11 @@ and draws train and val loss against step, with HellaSwag accuracy on a second a
 Plotting needs matplotlib, an optional extra (pip install '.[plot]'). It is imported only when a figure is
 drawn, so nothing else in llm/ depends on it, and it draws with Agg, which needs no display.
 """
-import argparse
 import os
 import re
 import sys
+
+from .launch import Parser
 
 LINE = re.compile(r"s:(\d+) (trl|tel|eval):(\S+)")
 
@@ -66,7 +67,7 @@ def figure(train, val, evals, title, log_scale=False):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Plot train and val loss (and HellaSwag accuracy) from DIR/main.log.")
+    parser = Parser(description="Plot train and val loss (and HellaSwag accuracy) from DIR/main.log.")
     parser.add_argument("dir", help="a run's output directory, as given to train_gpt2.py -o")
     parser.add_argument("-o", "--out", help="image to write (default DIR/loss.png)")
     parser.add_argument("--log", action="store_true", help="log-scale loss axis")

@@ -8,7 +8,6 @@ sampling over softmax(logits), starting from EOT. The command line adds what nan
 offers: a prompt, a temperature and top-k, a seed, decoded text. With its defaults (no prompt,
 temperature 1, no top-k, seed 1337) it prints what training would print after the same checkpoint.
 """
-import argparse
 import math
 import os
 import sys
@@ -18,6 +17,7 @@ import numpy as np
 from llm import formats
 from llm.backends import BackendError, get_backend, resolve
 from llm.config import WEIGHTS_HINT, ConfigError
+from llm.launch import Parser
 from llm.model import GPT2
 from llm.tokenizer import Tokenizer, TokenizerError, TokenizerFile
 
@@ -96,11 +96,6 @@ def generate(model, eot, gen_tokens, max_T):
 
 class UsageError(ValueError):
     pass
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):   # one line, as every other mistake; --help shows the usage
-        raise UsageError(message)
 
 
 def arguments():
