@@ -3,7 +3,6 @@ import struct
 import subprocess
 import sys
 
-
 from conftest import env
 from llm import plot
 
