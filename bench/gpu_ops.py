@@ -20,6 +20,7 @@ import cupy  # noqa: E402
 from llm.backends.cupy_backend import CupyBackend  # noqa: E402
 from llm.config import GPT2Config  # noqa: E402
 from llm.launch import Parser  # noqa: E402
+from reference.adamw import BETA1, BETA2, EPS  # noqa: E402
 
 SPIN = r'''
 extern "C" __global__ void spin(long long cycles) {
@@ -113,7 +114,7 @@ def main():
     bench("residual_forward", lambda: be.residual_forward(out, x, dx), 3 * N * C * s, per_step=2 * L)
     bench("fused_classifier", lambda: be.fused_classifier(logits, losses, targets, V, 1.0 / N),
           2 * N * Vp * s, per_step=1)
-    bench("adamw (all params)", lambda: be.adamw(params, grads, m, v, master, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1, 1.0),
+    bench("adamw (all params)", lambda: be.adamw(params, grads, m, v, master, 1e-4, BETA1, BETA2, EPS, 0.1, 1, 1.0),
           num_params * (3 * s + 16 + (8 if master is not None else 0)), per_step=1)
     bench("sumsq (all grads)", lambda: be.sumsq(grads), num_params * s, per_step=1)
 

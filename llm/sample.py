@@ -151,7 +151,7 @@ def main(argv):
         raise UsageError(f"-n {args.n}: EOT, the prompt's {len(prompt)} tokens and the new tokens must fit the "
                          f"model's max_seq_len {config.max_seq_len}: "
                          + (f"ask for -n {room} or fewer" if room > 0 else "shorten the prompt"))
-    model = GPT2(config, get_backend(*backend), cuda_graph=True)   # one launch per token on the GPU
+    model = GPT2(config, get_backend(*backend, cuda_graph=True))   # one launch per token on the GPU
     model.load_params(params)
     tokens = sample(model, context, args.n, config.max_seq_len, Rng(args.seed), args.temperature, args.top_k)
     print(tokenizer.decode(prompt + tokens))

@@ -330,7 +330,7 @@ def test_training_replayed_from_cuda_graphs_equals_training_without_to_the_bit(a
              for _ in range(5)]   # 5 steps of 2 micro-batches: graphs recorded at step 2, replayed after
 
     def train(cuda_graph):
-        model = GPT2(config, CupyBackend("bf16", attention=attention), cuda_graph=cuda_graph)
+        model = GPT2(config, CupyBackend("bf16", attention=attention, cuda_graph=cuda_graph))
         model.load_params(params)
         optimizer = ZeroOptimizer(model, SingleComm(), zero_stage=0, weight_decay=0.1)
         guard = UpdateGuard()
@@ -339,8 +339,9 @@ def test_training_replayed_from_cuda_graphs_equals_training_without_to_the_bit(a
         return model, losses, model.params_numpy(), val
 
     eager, graphed = train(False), train(True)
-    assert graphed[0]._graphs and all(g is not None for g in graphed[0]._graphs.values())
-    assert not eager[0]._graphs
+    recorded = graphed[0].backend.graphs.graphs
+    assert recorded and all(g is not None for g in recorded.values())
+    assert not eager[0].backend.graphs.graphs
     assert graphed[1] == eager[1]
     np.testing.assert_array_equal(graphed[2], eager[2])
     np.testing.assert_array_equal(graphed[3], eager[3])

@@ -2,9 +2,10 @@
 
 cupy_backend.py launches the ops; this file holds what every launcher needs and no op of its own.
 
-Kernels: each kernels/<family>.cu is compiled once per element type with cupy.RawModule, floatX set by
--DFLOATX. Kernels that move 16-byte packs need the row lengths they step over (C, T, hs, Vp) to be
-multiples of 8 and 16-byte aligned arrays; check_packs says so in one line when they are not.
+Kernels: each kernels/<family>.cu is compiled with cupy.RawModule once per element type (floatX, set by
+-DFLOATX) and per set of defines its launcher passes (tile sizes, head size). Kernels that move 16-byte
+packs need the row lengths they step over (C, T, hs, Vp) to be multiples of 8 and 16-byte aligned
+arrays; check_packs says so in one line when they are not.
 
 cuBLAS is column-major; our arrays are row-major. A row-major (R, K) array is, in cuBLAS's eyes, the
 column-major K x R matrix: its transpose. So out = inp @ w^T, row-major (N, OC), is computed as the
@@ -52,22 +53,28 @@ def check_int32(name, a):
 
 
 class Kernels:
-    """kernels[family, name, dtype]: the compiled kernel `name` of kernels/<family>.cu for element type dtype."""
+    """kernels.get(family, name, dtype, **defines): the kernel `name` of kernels/<family>.cu, compiled for
+    element type dtype and with -DNAME=value for each define.
+
+    A launcher passes here every constant its launch depends on (tiles, warps, head size), so that the
+    .cu's #ifndef values are defaults only and a grid can never disagree with the code it launches. Each
+    (family, dtype, defines) is one module, compiled on first use (CuPy keeps a disk cache)."""
 
     def __init__(self):
         self._modules, self._kernels = {}, {}
 
-    def __getitem__(self, key):
-        family, name, dtype = key
-        if key not in self._kernels:
-            if (family, dtype) not in self._modules:
+    def get(self, family, name, dtype, **defines):
+        module = (family, np.dtype(dtype), tuple(sorted(defines.items())))
+        if (module, name) not in self._kernels:
+            if module not in self._modules:
                 # common.cuh is pasted in rather than found on an include path, so that CuPy's compile
                 # cache, keyed on the source text, sees any change to it.
                 source = (KERNELS / f"{family}.cu").read_text()
                 source = source.replace(COMMON_INCLUDE, (KERNELS / "common.cuh").read_text())
-                self._modules[family, dtype] = cupy.RawModule(code=source, options=(f"-DFLOATX={CTYPES[dtype]}",))
-            self._kernels[key] = self._modules[family, dtype].get_function(name)
-        return self._kernels[key]
+                options = (f"-DFLOATX={CTYPES[module[1]]}",) + tuple(f"-D{k}={v}" for k, v in module[2])
+                self._modules[module] = cupy.RawModule(code=source, options=options)
+            self._kernels[module, name] = self._modules[module].get_function(name)
+        return self._kernels[module, name]
 
 
 class Scratch:
@@ -84,33 +91,6 @@ class Scratch:
 
     def buffers(self):
         return list(self._buffers.values())
-
-
-class Graph:
-    """A CUDA graph: the launches that work() makes, recorded once, then replayed with one launch.
-
-    Recording runs nothing: each kernel, GEMM and copy that work() issues on the recording stream is
-    written down with its arguments (buffer addresses, sizes, scalars). replay() runs them all again, in
-    order, on the GPU, without Python issuing each one. So a replay reads whatever the buffers hold at
-    that moment, and every buffer work() touches must stay where it is for as long as the graph lives.
-
-    The recording stream is a blocking stream, which the default stream (where everything else runs)
-    waits for and which waits for the default stream: a replay starts after the work queued before it
-    and finishes before the work queued after it. Temporaries that work() allocates while recording
-    come from a memory pool of the graph's own, which nothing else draws from, so no later array is
-    given memory that a replay still writes."""
-
-    def __init__(self, work, keep):
-        self.stream, self.pool, self.keep = cupy.cuda.Stream(), cupy.cuda.MemoryPool(), keep
-        with cupy.cuda.using_allocator(self.pool.malloc), self.stream:
-            self.stream.begin_capture()
-            try:
-                work()
-            finally:
-                self.graph = self.stream.end_capture()
-
-    def replay(self):
-        self.graph.launch(self.stream)
 
 
 class Blas:

@@ -34,7 +34,10 @@ class NumpyBackend:
     def copy_in(self, dst, a):
         dst[...] = a
 
-    can_record = False   # no CUDA graphs on the CPU
+    cuda_graph = False   # no CUDA graphs on the CPU: run() just runs
+
+    def run(self, key, work):
+        work()
 
     def device_name(self):
         return f"CPU ({self.threads} threads of {cores()} cores, NumPy)"
