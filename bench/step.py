@@ -32,9 +32,10 @@ from llm.weight_init import init_params  # noqa: E402
 from llm.zero import ZeroOptimizer  # noqa: E402
 from gpu_memory import GpuMemoryPeak  # noqa: E402  (bench/, beside this file)
 
-OPS = ("encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
-       "matmul_backward", "matmul_gelu_forward", "matmul_gelu_backward", "attention_forward", "attention_backward", "gelu_forward", "gelu_backward",
-       "residual_forward", "fused_classifier", "adamw", "sumsq")
+OPS = ("encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
+       "layernorm_backward", "matmul_forward", "matmul_backward", "matmul_gelu_forward", "matmul_gelu_backward",
+       "attention_forward", "attention_backward", "gelu_forward", "gelu_backward", "residual_forward",
+       "fused_classifier", "adamw", "sumsq")
 DEFAULT_BT = {"numpy": (4, 64), "cupy": (64, 1024)}
 
 

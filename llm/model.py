@@ -140,20 +140,30 @@ class GPT2:
         cfg, be, p = self.config, self.backend, self.params
         L, NH = cfg.num_layers, cfg.num_heads
         be.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe)
+        out, mean, rstd, w, b = self._layernorm_before(a, 0)
+        be.layernorm_forward(out, mean, rstd, a.encoded, w, b)
         for l in range(L):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             ln1, ln2, fch_gelu = a.ln1_of(l), a.ln2_of(l), a.fch_gelu_of(l)
-            be.layernorm_forward(ln1, a.ln1_mean[l], a.ln1_rstd[l], residual, p.ln1w[l], p.ln1b[l])
             be.matmul_forward(a.qkv[l], ln1, p.qkvw[l], p.qkvb[l])
             be.attention_forward(a.atty[l], a.att[l], a.qkv[l], NH)
             be.matmul_forward(a.proj, a.atty[l], p.attprojw[l], p.attprojb[l])
-            be.residual_forward(a.residual2[l], residual, a.proj)
-            be.layernorm_forward(ln2, a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l], p.ln2w[l], p.ln2b[l])
+            # residual2 = residual + proj, and ln2 of it, in one pass (as llm.c fuses them)
+            be.residual_layernorm_forward(a.residual2[l], ln2, a.ln2_mean[l], a.ln2_rstd[l], residual, a.proj,
+                                          p.ln2w[l], p.ln2b[l])
             be.matmul_gelu_forward(a.fch[l], fch_gelu, ln2, p.fcw[l], p.fcb[l])
             be.matmul_forward(a.proj, fch_gelu, p.fcprojw[l], p.fcprojb[l])
-            be.residual_forward(a.residual3[l], a.residual2[l], a.proj)
-        be.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], p.lnfw, p.lnfb)
+            # residual3 = residual2 + proj, and the next layer's ln1 of it (after the last layer: lnf)
+            out, mean, rstd, w, b = self._layernorm_before(a, l + 1)
+            be.residual_layernorm_forward(a.residual3[l], out, mean, rstd, a.residual2[l], a.proj, w, b)
         be.matmul_forward(a.logits, a.lnf, p.wte, None)   # the lm_head is tied to wte, no bias
+
+    def _layernorm_before(self, a, l):
+        """(out, mean, rstd, w, b) of the layernorm at the start of layer l: ln1, or lnf for l = L."""
+        p = self.params
+        if l == self.config.num_layers:
+            return a.lnf, a.lnf_mean, a.lnf_rstd, p.lnfw, p.lnfb
+        return a.ln1_of(l), a.ln1_mean[l], a.ln1_rstd[l], p.ln1w[l], p.ln1b[l]
 
     def validate(self, inputs, targets):
         """Per-position losses (B, T) float32 of a forward on `inputs`; no gradient is computed."""

@@ -27,6 +27,8 @@ its dinp is the residual stream's gradient, which already holds the skip connect
   encoder_forward(out, inp, wte, wpe)            out(B,T,C) = wte[inp] + wpe[:T]; inp int32 (B,T)
   encoder_backward(dwte, dwpe, dout, inp)        dwte[inp] += dout; dwpe[:T] += sum_b dout
   layernorm_forward(out, mean, rstd, inp, w, b)  mean, rstd: float32 (B,T); eps 1e-5
+  residual_layernorm_forward(residual, out, mean, rstd, inp1, inp2, w, b)
+                                                 residual = inp1 + inp2, then layernorm_forward(out, .., residual)
   layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd)   all three +=
   matmul_forward(out, inp, w, bias)              out(B,T,OC) = inp(B,T,C) @ w(OC,C)^T + bias(OC) (bias may be None)
   matmul_backward(dinp, dw, dbias, dout, inp, w) dinp = dout @ w;  dw += dout^T @ inp;  dbias += sum dout

@@ -11,7 +11,7 @@ CUDA graphs in graphs.py.
 import numpy as np
 import cupy
 
-from .attention import FlashAttention, NaiveAttention
+from .attention import FlashAttention, HopperFlashAttention, NaiveAttention
 from .cuda import BF16, BLOCK, FP32, Blas, BlasLt, Kernels, Scratch, blocks, check_int32, check_packs
 from .graphs import Graph, GraphCache
 
@@ -30,7 +30,6 @@ class CupyBackend:
         self.dtype = BF16 if precision == "bf16" else FP32
         device = cupy.cuda.Device()
         self.num_sms = device.attributes["MultiProcessorCount"]
-        self.max_shared = device.attributes["MaxSharedMemoryPerBlockOptin"]
         self.kernels, self.scratch = Kernels(), Scratch()
         self.blas, self.lt = Blas(allow_tf32), BlasLt(allow_tf32)
         if precision == "fp32":   # the checking precision: exact attention
@@ -38,6 +37,8 @@ class CupyBackend:
         elif attention == "cudnn":
             from .cudnn_attention import CudnnAttention
             self.attention = CudnnAttention()
+        elif device.compute_capability == "90":   # Hopper: wgmma and the copy engine
+            self.attention = HopperFlashAttention(self.kernels, self.scratch)
         else:
             self.attention = FlashAttention(self.kernels, self.scratch)
         # fp32's attention calls cuBLAS through CuPy, which refuses to be recorded: graphs in bf16 only
@@ -129,31 +130,33 @@ class CupyBackend:
 
     # ---------------------------------------------------------------- layernorm
 
+    LN_WARPS = 8   # warps per block of layernorm_backward
+
     def layernorm_forward(self, out, mean, rstd, inp, w, b):
-        C = inp.shape[-1]
-        N = inp.size // C
-        check_packs((out, inp, w, b), C=C)
-        self._kernel("layernorm", "layernorm_forward")((blocks(N, BLOCK // 32),), (BLOCK,),
-                                                       (out, mean, rstd, inp, w, b, np.int32(N), np.int32(C)))
+        self._layernorm_forward(None, out, mean, rstd, inp, None, w, b)
+
+    def residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, w, b):
+        # residual = inp1 + inp2, out = layernorm(residual): one pass (layernorm.cu)
+        check_packs((residual, inp2), C=inp1.shape[-1])
+        self._layernorm_forward(residual, out, mean, rstd, inp1, inp2, w, b)
+
+    def _layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, w, b):
+        C = inp1.shape[-1]
+        N = inp1.size // C
+        check_packs((out, inp1, w, b), C=C)
+        self._kernel("layernorm", "layernorm_forward", CHANNELS=C, WARPS=self.LN_WARPS)(
+            (blocks(N, BLOCK // 32),), (BLOCK,), (residual, out, mean, rstd, inp1, inp2, w, b, np.int32(N)))
 
     def layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd):
         # dinp += rstd (g - mean(g) - n mean(g n)), n = (x - mean) rstd, g = w dout; dw += sum dout n; db += sum dout
         C = inp.shape[-1]
         N = inp.size // C
         check_packs((dinp, dout, inp, w), C=C)
-        warps = 4
-        shared = warps * 2 * C * 4  # each warp's fp32 dw and db partial sums
-        if shared > self.max_shared:
-            raise ValueError(f"the cupy layernorm backward supports C up to {self.max_shared // (warps * 8)}, got {C}")
-        # 4 blocks per SM: each block writes one partial row, so more blocks cost more than they hide
-        # (8 per SM measured 0.069 ms against 0.050 ms at B=8, T=1024, C=768 on an H200)
-        grid = min(blocks(N, warps), 4 * self.num_sms)
-        kernel = self._kernel("layernorm", "layernorm_backward")
-        if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
-            kernel.max_dynamic_shared_size_bytes = shared
+        # 2 blocks per SM, each holding its rows' dw and db in registers, then writing one partial row
+        grid = min(blocks(N, self.LN_WARPS), 2 * self.num_sms)
         partial = self._buffer("ln_partial", (grid, 2 * C), FP32)
-        kernel((grid,), (32 * warps,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N), np.int32(C)),
-               shared_mem=shared)
+        self._kernel("layernorm", "layernorm_backward", CHANNELS=C, WARPS=self.LN_WARPS)(
+            (grid,), (32 * self.LN_WARPS,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N)))
         self._add_partial_sums(dw, partial, grid, 2 * C)
         self._add_partial_sums(db, partial.reshape(-1)[C:], grid, 2 * C)
 
@@ -198,9 +201,11 @@ class CupyBackend:
         self._weight_gradients(dw, dbias, dout, inp)
 
     def _weight_gradients(self, dw, dbias, dout, inp):
+        # dw^T += inp^T dout; dbias += dout's column sums, by our own kernel (matmul.cu): cuBLASLt's epilogue
+        # for it (BGRADB) made each weight-gradient GEMM slower by more than the kernel takes
         OC, C = dw.shape
         N = inp.size // C
-        self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)   # dw^T += inp^T dout
+        self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)
         if dbias is not None:
             check_packs((dout,), OC=OC)
             pack = 16 // dout.dtype.itemsize
@@ -236,6 +241,8 @@ class CupyBackend:
 
     # ---------------------------------------------------------------- classifier
 
+    CLASSIFIER_THREADS = 1024
+
     def fused_classifier(self, logits, losses, targets, V, dloss):
         # losses = logsumexp(logits[:V]) - logits[target]; dlogits = (softmax - onehot) * dloss, 0 on V..Vp
         Vp = logits.shape[-1]
@@ -243,9 +250,13 @@ class CupyBackend:
         check_packs((logits,), Vp=Vp)
         check_int32("targets", targets)
         write = dloss is not None
-        self._kernel("classifier", "fused_classifier")(
-            (N,), (1024,), (logits, losses, targets, np.float32(dloss if write else 0.0), np.int32(write),
-                            np.int32(V), np.int32(Vp)))
+        kernel = self._kernel("classifier", "fused_classifier", VP=Vp, THREADS=self.CLASSIFIER_THREADS)
+        shared = self.kernels.value("classifier", "fused_classifier_smem", self.dtype, VP=Vp,
+                                    THREADS=self.CLASSIFIER_THREADS)   # the row, kept between its two passes
+        if kernel.max_dynamic_shared_size_bytes < shared:
+            kernel.max_dynamic_shared_size_bytes = shared
+        kernel((N,), (self.CLASSIFIER_THREADS,), (logits, losses, targets, np.float32(dloss if write else 0.0),
+                                                  np.int32(write), np.int32(V)), shared_mem=shared)
 
     # ---------------------------------------------------------------- optimizer
 

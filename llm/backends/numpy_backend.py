@@ -59,6 +59,10 @@ class NumpyBackend:
     def layernorm_forward(self, out, mean, rstd, inp, w, b):
         out[...], mean[...], rstd[...] = ref.layernorm_forward(inp, w, b)
 
+    def residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, w, b):
+        residual[...] = ref.residual_forward(inp1, inp2)
+        out[...], mean[...], rstd[...] = ref.layernorm_forward(residual, w, b)
+
     def layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd):
         dinp_, dw_, db_ = ref.layernorm_backward(dout, inp, w, mean, rstd)
         dinp += dinp_     # dinp is the residual stream's gradient: it already holds the skip path's share
