@@ -128,7 +128,7 @@ def write_weights(path, tensors, save_file):
 
 def push(out, repo, hub):
     """Upload the folder to the Hub as the model repo `repo` (created if it does not exist)."""
-    hub.utils.logging.set_verbosity_error()   # one line of our own rather than a warning per retry
+    extra("huggingface_hub.utils.logging").set_verbosity_error()   # our one line, not a warning per retry
     print(f"uploading {out} to https://huggingface.co/{repo}")
     try:
         api = hub.HfApi()
@@ -137,7 +137,7 @@ def push(out, repo, hub):
     except Exception as e:   # offline, not logged in: the errors differ by huggingface_hub version
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ExportError(f"cannot upload to {repo} ({reason}): the export in {out} is complete; "
-                          f"upload it later with: huggingface-cli upload {repo} {out}") from None
+                          f"upload it later with: hf upload {repo} {out}") from None
 
 
 def arguments():
@@ -154,7 +154,7 @@ def arguments():
     parser.add_argument("--vocab", metavar="PATH", help="GPT-2's BPE ranks, a gpt2.tiktoken file "
                         "(default: $GPT2_VOCAB, else tiktoken's download)")
     parser.add_argument("--push", metavar="USER/REPO", help="then upload the folder to the Hugging Face Hub "
-                        "(needs huggingface_hub, pip install .[weights], and a login: huggingface-cli login)")
+                        "(needs huggingface_hub, pip install .[weights], and a login: hf auth login)")
     return parser
 
 

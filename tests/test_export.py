@@ -226,11 +226,10 @@ def test_every_token_is_reached_by_the_merges(fp32_export):
 def fake_hub(folder, problem=None):
     """huggingface_hub in `folder` (first on the exporter's path): HfApi prints its calls, or raises
     `problem`."""
+    (folder / "huggingface_hub" / "utils").mkdir(parents=True)
+    (folder / "huggingface_hub" / "utils" / "__init__.py").write_text("")
+    (folder / "huggingface_hub" / "utils" / "logging.py").write_text("def set_verbosity_error():\n    pass\n")
     code = f"""
-class utils:
-    class logging:
-        set_verbosity_error = staticmethod(lambda: None)
-
 class HfApi:
     def create_repo(self, repo_id, exist_ok=False):
         print(f"create_repo({{repo_id}}, exist_ok={{exist_ok}})")
@@ -240,7 +239,7 @@ class HfApi:
     def upload_folder(self, folder_path, repo_id, commit_message):
         print(f"upload_folder({{folder_path}}, {{repo_id}})")
 """
-    (folder / "huggingface_hub.py").write_text(code)
+    (folder / "huggingface_hub" / "__init__.py").write_text(code)
 
 
 @needs_vocab
@@ -264,7 +263,7 @@ def test_push_offline_is_one_line_and_keeps_the_export(tmp_path, models):
                   "--vocab", VOCAB)
     assert proc.returncode == 1 and proc.stderr == (
         "error: cannot upload to user/tiny-gpt2 (Name or service not known): the export in hf is complete; "
-        "upload it later with: huggingface-cli upload user/tiny-gpt2 hf\n")
+        "upload it later with: hf upload user/tiny-gpt2 hf\n")
     assert sorted(os.listdir(tmp_path / "hf")) == FILES
 
 
