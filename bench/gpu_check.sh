@@ -65,6 +65,6 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
   hf)      # llm.export's folder in transformers (needs torch and it; $GPT2_VOCAB offline): logits beside
            # ours, tokens beside tiktoken's; HF_MODEL=model.bin (or a run's -o dir) checks that one as well
     timeout 300 python3 bench/hf_check.py ${HF_MODEL:+-e "$HF_MODEL"} 2>&1 | tee "$OUT/hf.log" |
-      grep -vE "^(writing|/)" ;;
+      grep -vE "^writing |\(version [35], (fp32|bf16)\): L=" ;;
   esac
 done

@@ -77,8 +77,8 @@ def main():
     vocab = ["--vocab", args.vocab] if args.vocab else []
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"random L=2 C=64": os.path.join(tmp, "random.bin")}
-        random_model(models["random L=2 C=64"])
+        models = {"the random model": os.path.join(tmp, "random.bin")}
+        random_model(models["the random model"])
         if args.e:
             models[args.e] = find_model(args.e)
         for i, (label, path) in enumerate(models.items()):
@@ -87,7 +87,7 @@ def main():
                 export.main(["-e", path, "--out", folder, "--dtype", dtype, *vocab])
                 diff, largest = logits_difference(path, folder, dtype)
                 ok = diff <= args.tol
-                print(f"{label}, {dtype} export: max |logits - ours| = {diff:.2e} "
+                print(f"{dtype} export of {label}: max |logits - ours| = {diff:.2e} "
                       f"(logits up to {largest:.1f}): {'OK' if ok else 'NOT OK'}")
                 failures += [] if ok else [f"{label} {dtype} logits"]
                 bad = tokenizer_differences(folder, tiktoken)
