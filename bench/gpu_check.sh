@@ -2,7 +2,7 @@
 # One pass on a GPU machine: versions, the backend's op checks, test_gpt2 in fp32 and bf16, and the d12
 # throughput benchmark beside torch.compile's. Logs go to $OUT (or ./gpu_logs).
 # Usage: bash bench/gpu_check.sh [stage ...]
-# stages: env attn ops test opsbench bench small torch d48 train mpi ckpt (default: env ops test bench torch)
+# stages: env attn ops test opsbench bench small torch d48 train mpi ckpt hf (default: env ops test bench torch)
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache} PATH=$PATH:/usr/local/cuda/bin
@@ -70,5 +70,9 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     timeout 200 python3 train_gpt2.py -e /tmp/ck_gpu/model_00000005.bin -b 8 -t 256 -x 1 -v 1 -m 4 -s 0 $TS --backend numpy -l 0 2>&1 | grep "val loss" | head -1
     timeout 200 python3 train_gpt2.py -e d6 -b 8 -t 256 -x 5 -n 5 -o /tmp/ck_cpu -v 5 -m 4 -s 0 $TS --backend numpy 2>&1 | grep "val loss" | tail -1
     timeout 200 python3 train_gpt2.py -e /tmp/ck_cpu/model_00000005.bin -b 8 -t 256 -x 1 -v 1 -m 4 -s 0 $TS --backend cupy -l 0 2>&1 | grep "val loss" | head -1 ;;
+  hf)      # llm.export's folder in transformers (needs torch and it; $GPT2_VOCAB offline): logits beside
+           # ours, tokens beside tiktoken's; HF_MODEL=model.bin (or a run's -o dir) checks that one as well
+    timeout 300 python3 bench/hf_check.py ${HF_MODEL:+-e "$HF_MODEL"} 2>&1 | tee "$OUT/hf.log" |
+      grep -vE "^writing |\(version [35], (fp32|bf16)\): L=" ;;
   esac
 done
