@@ -241,7 +241,7 @@ class BlasLt:
     EPILOGUES = {"none": 1, "bias": 4, "gelu_aux_bias": 32 | 128 | 4, "dgelu": 64 | 128}
     MAX_WORKSPACE, MIN_ALIGNMENTS = 1, (5, 6, 7, 8)   # preferences: workspace, A, B, C, D alignment in bytes
     WORKSPACE = 32 << 20
-    CANDIDATES, TIMED_RUNS = 8, 3
+    CANDIDATES, TIMED_RUNS = 16, 3
 
     class Heuristic(ctypes.Structure):   # cublasLtMatmulHeuristicResult_t
         _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
@@ -294,7 +294,7 @@ class BlasLt:
 
     def _plan(self, key):
         if key not in self.plans:
-            transa, transb, m, n, k, lda, ldb, ldc, a_type, b_type, d_type, epilogue, aux_ld = key
+            transa, transb, m, n, k, lda, ldb, ldc, a_type, b_type, d_type, epilogue, aux_ld, alignments = key
             desc = ctypes.c_void_p()
             compute = self.fp32_compute if a_type == FP32 else cublas.CUBLAS_COMPUTE_32F
             self._check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), compute, CUDA_TYPES[FP32]),
@@ -307,17 +307,21 @@ class BlasLt:
             layouts = (self._layout(a_type, *((m, k) if transa == "N" else (k, m)), lda),
                        self._layout(b_type, *((k, n) if transb == "N" else (n, k)), ldb),
                        self._layout(d_type, m, n, ldc))
-            # Views into the flat buffers (a layer's weights, its bias) are 16-byte aligned, not 256 as
-            # cuBLASLt assumes unless told; the heuristic also reads the bias and aux pointers' alignment.
+            # Views into the flat buffers (a layer's weights, its bias) may be only 16-byte aligned, not 256
+            # as cuBLASLt assumes unless told: each plan is made for its operands' actual alignment (A, B,
+            # C = D, then the epilogue's pointers), so that no algorithm that needs more is picked and none
+            # that could run is left out; the heuristic reads the bias and aux pointers' alignment too.
             preference = ctypes.c_void_p()
             self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "PreferenceCreate")
+            a_align, b_align, d_align, *pointer_aligns = alignments
             for attribute, value in ((self.MAX_WORKSPACE, ctypes.c_size_t(self.WORKSPACE)),
-                                     *((a, ctypes.c_uint32(16)) for a in self.MIN_ALIGNMENTS)):
+                                     *((a, ctypes.c_uint32(align)) for a, align in
+                                       zip(self.MIN_ALIGNMENTS, (a_align, b_align, d_align, d_align)))):
                 self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(
                     preference, attribute, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value))),
                     "PreferenceSetAttribute")
-            for attribute in self._pointers(epilogue):
-                self._set(desc, attribute, ctypes.c_void_p(16))
+            for attribute, align in zip(self._pointers(epilogue), pointer_aligns):
+                self._set(desc, attribute, ctypes.c_void_p(align))
             results, found = (self.Heuristic * self.CANDIDATES)(), ctypes.c_int(0)
             self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, layouts[0], layouts[1], layouts[2],
                                                                 layouts[2], preference, self.CANDIDATES, results,
@@ -332,7 +336,7 @@ class BlasLt:
         between CUDA events after one warm-up run. A GEMM that accumulates (beta = 1, the weight gradients)
         is timed into a scratch copy of its small output, so that the timing adds nothing to it."""
         desc, layouts, candidates, _ = plan
-        name = repr(key[:10] + (key[10].name, key[11], key[12]))
+        name = repr(key[:8] + tuple(dtype.name for dtype in key[8:11]) + key[11:])
         if name not in self.choices or self.choices[name] >= len(candidates):
             out = D if beta == 0 else cupy.empty_like(D)
             times = []
@@ -361,10 +365,12 @@ class BlasLt:
                aux=None, aux_ld=0):
         """D = op(A) op(B) + beta D, then the epilogue: "bias" adds bias (m), "gelu_aux_bias" adds bias,
         writes the sum to aux and its GELU to D, "dgelu" multiplies by GELU's derivative at aux."""
-        key = (transa, transb, m, n, k, lda, ldb, ldc, A.dtype, B.dtype, D.dtype, epilogue, aux_ld)
+        pointers = [x for x in (bias, aux) if x is not None]
+        alignments = tuple(min(256, x.data.ptr & -x.data.ptr) for x in (A, B, D, *pointers))
+        key = (transa, transb, m, n, k, lda, ldb, ldc, A.dtype, B.dtype, D.dtype, epilogue, aux_ld, alignments)
         plan = self._plan(key)
         desc, layouts = plan[:2]
-        for attribute, array in zip(self._pointers(epilogue), [x for x in (bias, aux) if x is not None]):
+        for attribute, array in zip(self._pointers(epilogue), pointers):
             self._set(desc, attribute, ctypes.c_void_p(array.data.ptr))
         if plan[3] is None:
             plan[3] = self._choose(key, plan, A, B, D, beta)
