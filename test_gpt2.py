@@ -62,9 +62,9 @@ def reference_run(config, params, x, y, steps):
     return first, losses
 
 
-def trainer_run(config, params, x, y, steps, backend, cuda_graph):
+def trainer_run(config, params, x, y, steps, backend):
     """The same on llm/: the trainer's model, optimizer and training step, with a single process."""
-    model = GPT2(config, backend, cuda_graph=cuda_graph)
+    model = GPT2(config, backend)
     model.load_params(params)
     optimizer = ZeroOptimizer(model, SingleComm(), zero_stage=0, weight_decay=0.0)
     guard = UpdateGuard()
@@ -124,7 +124,7 @@ def main():
         if bool(args.e) != bool(args.ds):
             raise ValueError("-e and -ds go together: a model file and the debug state written with it")
         backend = get_backend(args.backend, args.precision, allow_tf32=False,   # fp32 means fp32 here
-                              attention=args.attention)
+                              attention=args.attention, cuda_graph=bool(args.cuda_graph))
         if args.e:
             if not os.path.exists(args.e):
                 raise formats.FormatError(f"{args.e}: no such file: {WEIGHTS_HINT}")
@@ -147,7 +147,7 @@ def main():
         print(f"error: {e}", file=sys.stderr)
         return 1
 
-    got, got_losses = trainer_run(config, params, x, y, STEPS, backend, bool(args.cuda_graph))
+    got, got_losses = trainer_run(config, params, x, y, STEPS, backend)
     if args.e:
         want = (state["logits"], float(state["loss"]), dict(ParamViews(state["grads"], config)))
         is_gpt2_124m = config.num_parameters == 124475904 and x.shape == (4, 64)

@@ -35,7 +35,7 @@ from llm.schedulers import SCHEDULERS, LRScheduler  # noqa: E402
 from llm.step import train_step  # noqa: E402
 from llm.tokenizer import TokenizerError, TokenizerFile  # noqa: E402
 from llm.weight_init import init_params  # noqa: E402
-from llm.zero import ZeroOptimizer  # noqa: E402
+from llm.zero import ZeroOptimizer, padded_size  # noqa: E402
 
 HELLASWAG_PATH = "data/hellaswag/hellaswag_val.bin"
 TOKENIZER_PATH = "gpt2_tokenizer.bin"
@@ -131,8 +131,9 @@ def parse_args(argv):
     return args
 
 
-def build_model(args, backend):
-    """The model from a checkpoint file or a descriptor (llm.c's random init)."""
+def build_model(args, backend, world_size):
+    """The model from a checkpoint file or a descriptor (llm.c's random init), its flat buffers sized for
+    the ZeRO stage's shards."""
     source = args["e"]
     if source.endswith(".bin"):
         if not os.path.exists(source):
@@ -141,7 +142,8 @@ def build_model(args, backend):
     else:
         config = GPT2Config.from_descriptor(source)
         params = init_params(config)
-    model = GPT2(config, backend, recompute=args["r"], cuda_graph=bool(args["cuda-graph"]))
+    flat_size = padded_size(config.num_parameters, world_size, args["z"])
+    model = GPT2(config, backend, recompute=args["r"], flat_size=flat_size)
     model.load_params(params)
     return model
 
@@ -181,7 +183,8 @@ def main(argv):
     if args["comm"] == "nccl" and backend_name != "cupy":
         raise UsageError("--comm nccl needs the cupy backend")
     comm = make_comm(gpu=backend_name == "cupy", force_nccl=args["comm"] == "nccl")
-    backend = get_backend(backend_name, precision, allow_tf32=bool(args["f"]), attention=args["attention"])
+    backend = get_backend(backend_name, precision, allow_tf32=bool(args["f"]), attention=args["attention"],
+                          cuda_graph=bool(args["cuda-graph"]))
     log0 = print if comm.rank == 0 else (lambda *a, **k: None)
     if args["f"] != 1 and not (backend.name == "cupy" and backend.precision == "fp32"):
         log0(f"note: -f {args['f']} has no effect: TF32 applies to fp32 matmuls on the GPU only")
@@ -189,7 +192,7 @@ def main(argv):
     np.seterr(all="ignore")   # a non-finite loss or norm is the guard's to report, in one line a step
 
     # ---- the model, the data and the optimizer ----
-    model = build_model(args, backend)
+    model = build_model(args, backend, comm.world_size)
     config = model.config
     B, T, N = args["b"], args["t"], comm.world_size
     if T > config.max_seq_len:

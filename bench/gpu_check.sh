@@ -2,10 +2,10 @@
 # One pass on a GPU machine: versions, the backend's op checks, test_gpt2 in fp32 and bf16, and the d12
 # throughput benchmark beside torch.compile's. Logs go to $OUT (or ./gpu_logs).
 # Usage: bash bench/gpu_check.sh [stage ...]
-# stages: env ops test bench small torch d48 train mpi ckpt (default: env ops test bench torch)
+# stages: env attn ops test opsbench bench small torch d48 train mpi ckpt hf (default: env ops test bench torch)
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache} PATH=$PATH:/usr/local/cuda/bin
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
 TS="-i data/tinyshakespeare/tiny_shakespeare_train.bin -j data/tinyshakespeare/tiny_shakespeare_val.bin"
 stages=${*:-env ops test bench torch}
@@ -17,8 +17,16 @@ for stage in $stages; do
     python3 -c "import cupy, numpy, ml_dtypes, mpi4py; from cupy.cuda import nccl
 print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'nccl', nccl.get_version(),
       'numpy', numpy.__version__, 'ml_dtypes', ml_dtypes.__version__, 'mpi4py', mpi4py.__version__)" ;;
+  attn)    # every attention kernel against the float64 naive one at odd sizes; then what the Hopper one compiled to
+    timeout 240 python3 -m pytest -q -rs tests/test_cupy_backend.py -k fused_attention 2>&1 | tee "$OUT/attn.log" | tail -15
+    for cubin in "$CUPY_CACHE_DIR"/*.sm_90a.cubin; do
+      [ -e "$cubin" ] && echo "$(basename "$cubin"): $(cuobjdump -sass "$cubin" | grep -cE 'HGMMA') HGMMA," \
+        "$(cuobjdump -sass "$cubin" | grep -cE 'UTMALDG') UTMALDG, $(cuobjdump -sass "$cubin" | grep -cE 'HMMA') HMMA"
+    done ;;
   ops)
-    timeout 300 python3 -m pytest -q -x -rs tests/test_cupy_backend.py 2>&1 | tee "$OUT/ops.log" | tail -25 ;;
+    timeout 300 python3 -m pytest -q -rs tests/test_cupy_backend.py 2>&1 | tee "$OUT/ops.log" | tail -25 ;;
+  opsbench)   # each op alone at d12, B=64: ms, GB/s, TFLOP/s, and the sum over one step
+    timeout 200 python3 bench/gpu_ops.py --B 64 2>&1 | tee "$OUT/opsbench.log" | tail -40 ;;
   test)
     timeout 150 python3 test_gpt2.py --backend cupy --precision fp32 2>&1 | tee "$OUT/test_fp32.log" | tail -32
     timeout 150 python3 test_gpt2.py --backend cupy --precision bf16 2>&1 | tee "$OUT/test_bf16.log" | tail -32
@@ -62,5 +70,9 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     timeout 200 python3 train_gpt2.py -e /tmp/ck_gpu/model_00000005.bin -b 8 -t 256 -x 1 -v 1 -m 4 -s 0 $TS --backend numpy -l 0 2>&1 | grep "val loss" | head -1
     timeout 200 python3 train_gpt2.py -e d6 -b 8 -t 256 -x 5 -n 5 -o /tmp/ck_cpu -v 5 -m 4 -s 0 $TS --backend numpy 2>&1 | grep "val loss" | tail -1
     timeout 200 python3 train_gpt2.py -e /tmp/ck_cpu/model_00000005.bin -b 8 -t 256 -x 1 -v 1 -m 4 -s 0 $TS --backend cupy -l 0 2>&1 | grep "val loss" | head -1 ;;
+  hf)      # llm.export's folder in transformers (needs torch and it; $GPT2_VOCAB offline): logits beside
+           # ours, tokens beside tiktoken's; HF_MODEL=model.bin (or a run's -o dir) checks that one as well
+    timeout 300 python3 bench/hf_check.py ${HF_MODEL:+-e "$HF_MODEL"} 2>&1 | tee "$OUT/hf.log" |
+      grep -vE "^writing |\(version [35], (fp32|bf16)\): L=" ;;
   esac
 done

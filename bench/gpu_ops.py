@@ -17,9 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cupy  # noqa: E402
 
+from llm.backends.attention import FlashAttention  # noqa: E402
 from llm.backends.cupy_backend import CupyBackend  # noqa: E402
 from llm.config import GPT2Config  # noqa: E402
 from llm.launch import Parser  # noqa: E402
+from reference.adamw import BETA1, BETA2, EPS  # noqa: E402
 
 SPIN = r'''
 extern "C" __global__ void spin(long long cycles) {
@@ -51,8 +53,10 @@ def main():
     args = parser.parse_args()
 
     be = CupyBackend(args.precision)
-    B, T, C, NH, V, Vp, L = args.B, 1024, 768, 12, 50257, 50304, 12
-    num_params = GPT2Config().num_parameters   # d12
+    d12 = GPT2Config()
+    B, T, C, NH, V, Vp, L = (args.B, d12.max_seq_len, d12.channels, d12.num_heads, d12.vocab_size,
+                             d12.padded_vocab_size, d12.num_layers)
+    num_params = d12.num_parameters
     s = be.dtype.itemsize
     N = B * T
     rng = cupy.random.default_rng(0)
@@ -85,7 +89,7 @@ def main():
     bench("encoder_forward", lambda: be.encoder_forward(out, inp, wte, wpe), 3 * N * C * s, per_step=1)
     bench("encoder_backward", lambda: be.encoder_backward(dwte, dwpe, dx, inp), 3 * N * C * s, per_step=1)
     bench("layernorm_forward", lambda: be.layernorm_forward(out, mean, rstd, x, w_ln, b_ln), 2 * N * C * s,
-          per_step=2 * L + 1)
+          per_step=1)
     bench("layernorm_backward", lambda: be.layernorm_backward(dx, w_ln, b_ln, out, x, w_ln, mean, rstd),
           4 * N * C * s, per_step=2 * L + 1)
     for label, cin, cout, count in (("qkv", C, 3 * C, L), ("attproj", C, C, L), ("fc", C, 4 * C, L),
@@ -107,13 +111,22 @@ def main():
           per_step=L)
     bench("attention_backward", lambda: be.attention_backward(dqkv, dx, qkv, out, att, NH), 8 * N * C * s,
           2.5 * att_flops, per_step=L)
+    if be.attention.name == "flash-hopper":   # the kernels it replaces on Hopper, for comparison
+        mma = FlashAttention(be.kernels, be.scratch)
+        bench("attention_forward mma.sync", lambda: mma.forward(out, att, qkv, NH), 4 * N * C * s, att_flops)
+        bench("attention_backward mma.sync", lambda: mma.backward(dqkv, dx, qkv, out, att, NH), 8 * N * C * s,
+              2.5 * att_flops)
+    res = act(B, T, C)
+    bench("layernorm_forward + residual", lambda: be.residual_layernorm_forward(res, out, mean, rstd, x, dx, w_ln,
+                                                                                b_ln),
+          4 * N * C * s, per_step=2 * L)
     bench("gelu_forward", lambda: be.gelu_forward(h, dh), 2 * N * 4 * C * s, per_step=L)   # -r 1's recompute
     bench("gelu_backward", lambda: be.gelu_backward(dh, h, h), 3 * N * 4 * C * s,   # bf16: in the GEMM's epilogue
           per_step=L if be.precision == "fp32" else 0)
-    bench("residual_forward", lambda: be.residual_forward(out, x, dx), 3 * N * C * s, per_step=2 * L)
+    bench("residual_forward", lambda: be.residual_forward(out, x, dx), 3 * N * C * s)   # fused above now
     bench("fused_classifier", lambda: be.fused_classifier(logits, losses, targets, V, 1.0 / N),
           2 * N * Vp * s, per_step=1)
-    bench("adamw (all params)", lambda: be.adamw(params, grads, m, v, master, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1, 1.0),
+    bench("adamw (all params)", lambda: be.adamw(params, grads, m, v, master, 1e-4, BETA1, BETA2, EPS, 0.1, 1, 1.0),
           num_params * (3 * s + 16 + (8 if master is not None else 0)), per_step=1)
     bench("sumsq (all grads)", lambda: be.sumsq(grads), num_params * s, per_step=1)
 

@@ -32,9 +32,10 @@ from llm.weight_init import init_params  # noqa: E402
 from llm.zero import ZeroOptimizer  # noqa: E402
 from gpu_memory import GpuMemoryPeak  # noqa: E402  (bench/, beside this file)
 
-OPS = ("encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward", "matmul_forward",
-       "matmul_backward", "matmul_gelu_forward", "matmul_gelu_backward", "attention_forward", "attention_backward", "gelu_forward", "gelu_backward",
-       "residual_forward", "fused_classifier", "adamw", "sumsq")
+OPS = ("encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
+       "layernorm_backward", "matmul_forward", "matmul_backward", "matmul_gelu_forward", "matmul_gelu_backward",
+       "attention_forward", "attention_backward", "gelu_forward", "gelu_backward", "residual_forward",
+       "fused_classifier", "adamw", "sumsq")
 DEFAULT_BT = {"numpy": (4, 64), "cupy": (64, 1024)}
 
 
@@ -95,12 +96,14 @@ def main():
                         help="replay the forward and backward as CUDA graphs (cupy in bf16), as training does")
     args = parser.parse_args()
     try:
-        backend = get_backend(args.backend, args.precision, attention=args.attention)
+        backend = get_backend(args.backend, args.precision, attention=args.attention,
+                              cuda_graph=bool(args.cuda_graph))
     except BackendError as e:   # no GPU, no cupy: one line, as the other commands
         sys.exit(f"error: {e}")
+    gpu = backend.name == "cupy"
     B, T = args.b or DEFAULT_BT[backend.name][0], args.t or DEFAULT_BT[backend.name][1]
     config = GPT2Config.from_descriptor(args.model)
-    model = GPT2(config, backend, recompute=args.r, cuda_graph=bool(args.cuda_graph))
+    model = GPT2(config, backend, recompute=args.r)
     if config.num_parameters < 400_000_000:
         model.load_params(init_params(config))
     else:   # llm.c's init would take minutes on the host; the timing does not depend on the values
@@ -119,13 +122,12 @@ def main():
         return result, (time.perf_counter() - t0) * 1000
 
     print(f"{args.model} B={B} T={T} {backend.precision} -r {args.r} attention "
-          f"{getattr(backend, 'attention', 'naive')}{' CUDA graphs' if model.cuda_graph else ''} on "
+          f"{backend.attention.name if gpu else 'naive'}{' CUDA graphs' if backend.cuda_graph else ''} on "
           f"{backend.device_name()}: "
           f"activations {model.activations(B, T).nbytes / 2**20:,.0f} MiB")
     for t in (1, 2):   # warm-up: compiles every kernel, fills the memory pool, records the graphs
         print(f"warm-up step {t}: loss {step(t)[0].loss:.4f}")
     times = []
-    gpu = backend.name == "cupy"
     with GpuMemoryPeak(backend.xp.cuda.Device().pci_bus_id) if gpu else contextlib.nullcontext() as peak:
         for t in range(3, 3 + args.steps):
             result, ms = step(t)
@@ -140,7 +142,7 @@ def main():
         pool = backend.xp.get_default_memory_pool()
         print(f"memory: pool {pool.total_bytes() / 2**20:,.0f} MiB, peak in use by nvidia-smi "
               f"{peak.peak_mib if peak.peak_mib is not None else 'n/a'} MiB")
-    timer.enabled, model.cuda_graph = True, False
+    timer.enabled, backend.cuda_graph = True, False
     step(3 + args.steps)
     timer.enabled = False
     print(timer.table())

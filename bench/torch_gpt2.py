@@ -2,10 +2,14 @@
 timed side by side with bench/step.py on the same GPU, model and batch. Needs torch (never a dependency).
 
     python bench/torch_gpt2.py [--model d12] [-b 64] [-t 1024] [--steps 20] [--no-compile] [--sdpa cudnn|flash]
+                               [--loss padded|sliced]
 
-bf16 autocast with fp32 weights (torch's usual mixed precision), causal scaled_dot_product_attention, tanh
-GELU, tied lm_head, fused AdamW with betas (0.9, 0.95), gradient clipping at 1.0: llm.c's step. Prints the
-median ms/step, tok/s and the peak memory (torch's allocator, and nvidia-smi sampled while it runs).
+Written as nanoGPT's model.py writes it, which is how users run it: bf16 autocast with fp32 weights, causal
+scaled_dot_product_attention, tied lm_head, N(0, 0.02) init, and the cross-entropy over all Vp = 50,304
+padded logits (the padded columns carry no targets; --loss sliced takes logits[..., :V] first, a variant
+that costs torch 8-10% more). GELU is llm.c's tanh form, fused AdamW with betas (0.9, 0.95), gradient
+clipping at 1.0: llm.c's step. Prints the median ms/step, tok/s and the peak memory (torch's allocator, and
+nvidia-smi sampled while it runs).
 """
 import os
 import statistics
@@ -46,14 +50,21 @@ class GPT(nn.Module):
         self.wte, self.wpe = nn.Embedding(config.padded_vocab_size, C), nn.Embedding(config.max_seq_len, C)
         self.blocks = nn.ModuleList(Block(C, config.num_heads) for _ in range(config.num_layers))
         self.lnf = nn.LayerNorm(C)
-        self.V = config.vocab_size
+        self.V, self.sliced = config.vocab_size, False
+        for module in self.modules():   # nanoGPT's _init_weights
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear):
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.lnf(x) @ self.wte.weight.T
-        return F.cross_entropy(logits[..., :self.V].float().flatten(0, 1), targets.flatten())
+        if self.sliced:
+            return F.cross_entropy(logits[..., :self.V].float().flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())   # nanoGPT: all Vp columns
 
 
 def main():
@@ -64,10 +75,13 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--sdpa", choices=["default", "flash", "cudnn"], default="default")
+    parser.add_argument("--loss", choices=["padded", "sliced"], default="padded",
+                        help="padded: the cross-entropy over all Vp logits, as nanoGPT; sliced: over the first V")
     args = parser.parse_args()
     config = GPT2Config.from_descriptor(args.model)
     torch.manual_seed(0)
     model = GPT(config).cuda()
+    model.sliced = args.loss == "sliced"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                                   fused=True)
     step_fn = model if args.no_compile else torch.compile(model)
@@ -101,7 +115,8 @@ def main():
             times.append((time.perf_counter() - t0) * 1000)
     ms = statistics.median(times)
     mode = "eager" if args.no_compile else "torch.compile"
-    print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} {args.model} B={B} T={T} bf16: loss {loss:.4f} | "
+    print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} loss={args.loss} {args.model} B={B} T={T} bf16: "
+          f"loss {loss:.4f} | "
           f"median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | peak memory: nvidia-smi {peak.peak_mib} MiB, "
           f"torch reserved {torch.cuda.max_memory_reserved() / 2**20:.0f} MiB")
 

@@ -5,12 +5,9 @@
   python data/gpt2.py --input gpt2/ --vocab gpt2.tiktoken    offline: a model folder, or its model.safetensors
 
 This is what llm.c's train_gpt2.py exports after loading GPT2LMHeadModel, without PyTorch: the tensors of
-Hugging Face's model.safetensors, laid out in llm/layout.py's flat order. Two things change on the way:
-  - Hugging Face's GPT-2 computes its linear layers as Conv1D, x @ W with W stored (in, out); llm.c's
-    matrices are (out, in), as nn.Linear's, so c_attn, c_proj, c_fc and mlp.c_proj are transposed.
-  - wte gets zero rows from V = 50257 up to Vp = 50304, a multiple of 128; their logits are then 0.
-The lm_head is tied to wte (llm.c stores it once), and the causal-mask buffers (h.<l>.attn.bias and
-.masked_bias) are not parameters: all three are skipped. Names may carry the "transformer." prefix.
+Hugging Face's model.safetensors, laid out in llm/layout.py's flat order. llm/hf.py says what changes on the
+way (Conv1D matrices are transposed, wte gets zero rows up to Vp = 50304, so their logits are 0) and what
+is skipped (the tied lm_head, the causal-mask buffers); python -m llm.export goes the other way.
 
 The sizes come from the tensors: L from the h.<l> layers, C from wte's columns, V from its rows, maxT
 from wpe's rows. NH is --heads, else n_head of a config.json beside the weights, else C / 64 (every
@@ -31,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import PrepError, arguments, first_line, optional, quiet_hub_retries, run   # noqa: E402
 from llm import formats   # noqa: E402
 from llm.config import DEPTHS, ConfigError, GPT2Config   # noqa: E402
+from llm.hf import CONFIG_SIZES, LM_HEAD, MASK_BUFFER, PREFIX, WEIGHTS, hf_views   # noqa: E402
 from llm.layout import ParamViews   # noqa: E402
 from llm.tokenizer import Tokenizer   # noqa: E402
 
@@ -40,39 +38,8 @@ MODELS = {"gpt2": ("124M", 12), "gpt2-medium": ("355M", 24), "gpt2-large": ("774
 NAMED = {name: GPT2Config(num_layers=L, channels=DEPTHS[L][0], num_heads=DEPTHS[L][1])
          for name, (_, L) in MODELS.items()}
 HUB = "openai-community"
-WEIGHTS = "model.safetensors"
 HEAD_SIZE = 64
-PREFIX = "transformer."
 VOCAB_MULTIPLE = 128
-
-# llm.c's per-layer tensor <- Hugging Face's h.<l>.<name>
-LAYER_TENSORS = {
-    "ln1w": "ln_1.weight", "ln1b": "ln_1.bias",
-    "qkvw": "attn.c_attn.weight", "qkvb": "attn.c_attn.bias",
-    "attprojw": "attn.c_proj.weight", "attprojb": "attn.c_proj.bias",
-    "ln2w": "ln_2.weight", "ln2b": "ln_2.bias",
-    "fcw": "mlp.c_fc.weight", "fcb": "mlp.c_fc.bias",
-    "fcprojw": "mlp.c_proj.weight", "fcprojb": "mlp.c_proj.bias",
-}
-CONV1D = frozenset(("qkvw", "attprojw", "fcw", "fcprojw"))   # stored (in, out): transposed on the way
-MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(masked_)?bias")      # the causal mask, not a parameter
-LM_HEAD = "lm_head.weight"
-# config.json's fields, and the size each one must agree with
-CONFIG_FIELDS = {"n_layer": "num_layers", "n_embd": "channels", "n_positions": "max_seq_len",
-                 "vocab_size": "vocab_size"}
-
-
-def destinations(p, config):
-    """Where each tensor of a GPT-2 model.safetensors goes: {name: (view into the flat buffer, transposed)}.
-
-    Names are without "transformer."; the stored shape is the view's shape, reversed when transposed."""
-    dests = {"wte.weight": (p.wte[:config.vocab_size], False),   # rows V..Vp stay 0
-             "wpe.weight": (p.wpe, False),
-             "ln_f.weight": (p.lnfw, False), "ln_f.bias": (p.lnfb, False)}
-    for l in range(config.num_layers):
-        for name, hf_name in LAYER_TENSORS.items():
-            dests[f"h.{l}.{hf_name}"] = (getattr(p, name)[l], name in CONV1D)
-    return dests
 
 
 def locate(path):
@@ -130,7 +97,7 @@ def infer_config(shapes, heads, config_json, path):
             with open(config_json, encoding="utf-8") as f:
                 fields = json.load(f)
             n_head = int(fields["n_head"])
-            for field, size in CONFIG_FIELDS.items():
+            for field, size in CONFIG_SIZES.items():
                 if field in fields and int(fields[field]) != sizes[size]:
                     raise PrepError(f"{config_json}: {field} is {fields[field]}, but the tensors of {path} "
                                     f"have {sizes[size]}")
@@ -194,7 +161,7 @@ def read_weights(path, config_json, heads, model):
         config = infer_config(shapes, heads, config_json, path)
         name = size_name(config, model)
         params = np.zeros(config.num_parameters, dtype=np.float32)
-        dests = destinations(ParamViews(params, config), config)
+        dests = hf_views(ParamViews(params, config), config)
         check_tensors(names, shapes, dests, config, path)
         for hf_name, (view, transposed) in dests.items():
             w = load(names[hf_name])

@@ -53,6 +53,18 @@ def latest_step(out_dir):
     return max(steps, default=None)
 
 
+def find_model(path):
+    """-e MODEL: a model file is itself; a run's directory (ours or llm.c's) gives the model file of its
+    newest complete checkpoint, the one -y 1 would resume."""
+    if not os.path.isdir(path):
+        return path
+    step = latest_step(path)
+    if step is None:
+        raise CheckpointError(f"{path}: a directory without a complete checkpoint (no DONE_%08d file): "
+                              f"pass a model .bin, or a run's -o directory")
+    return model_path(path, step)
+
+
 def save(out_dir, step, model, optimizer, loader, guard, comm):
     """Write model, state and DONE for `step`. Every rank calls this (the optimizer state is gathered).
 

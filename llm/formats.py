@@ -16,7 +16,8 @@ Readers raise FormatError, one line naming the file and the problem, for anythin
 wrong: a missing file, the wrong kind of file, an unknown version, a size the header disagrees with,
 and, in model and state files, values no training run can produce (NaN or infinite parameters, a
 negative second moment), which a damaged or foreign file of the right size holds.
-Writers go through atomic_write, so a writer killed half way never leaves a broken file behind.
+Writers go through atomic_write (or atomic_path), so a writer killed half way never leaves a broken file
+behind.
 """
 from contextlib import contextmanager, suppress
 import os
@@ -85,19 +86,18 @@ def is_temporary(name):
 
 
 @contextmanager
-def atomic_write(path):
-    """Open `path` for binary writing so that it appears complete or not at all.
+def atomic_path(path):
+    """A temporary name to write `path` under, so that it appears complete or not at all.
 
-    The bytes go to a temporary file in the same directory, which is flushed and fsync'ed, then
-    renamed onto `path` (a rename within one file system is atomic), and the directory is fsync'ed
-    so the rename itself survives a power cut. If the body raises, the temporary file is removed
-    and whatever was at `path` before is left untouched."""
+    The temporary file is in the same directory; once the body has written it, it is fsync'ed and renamed
+    onto `path` (a rename within one file system is atomic), and the directory is fsync'ed so the rename
+    itself survives a power cut. If the body raises, the temporary file is removed and whatever was at
+    `path` before is left untouched. For writers that take a file name (safetensors' save_file)."""
     path = os.fspath(path)
     tmp = temporary_path(path)
     try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
+        yield tmp
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -109,6 +109,13 @@ def atomic_write(path):
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+@contextmanager
+def atomic_write(path):
+    """Open `path` for binary writing through atomic_path: it appears complete or not at all."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        yield f
 
 
 def new_header(magic, version):

@@ -8,8 +8,10 @@ The model never asks which backend it runs on: every op is `self.backend.<op>` o
                                 gradients of every layer, accumulated into grads
   validate(inputs, targets)  -> losses: forward and the classifier's losses alone (llm.c's gpt2_validate)
 
-On the GPU the device work of a forward or a backward (everything after the token ids are copied in) can be
-recorded once as a CUDA graph and replayed: one launch instead of some 150 from Python (see _run).
+The device work of a forward or a backward (everything after the token ids are copied in) goes through
+backend.run(key, work), which on the GPU may record it once as a CUDA graph and replay it: one launch instead
+of some 150 from Python (llm/backends/graphs.py). That work reads and writes only buffers that stay put
+(parameters, gradients, activations, scratch), so that a record of it stays valid.
 """
 import numpy as np
 
@@ -83,37 +85,24 @@ class Activations:
 class GPT2:
     """GPT-2 with llm.c's flat buffers: params and grads are each one array; named views point into them."""
 
-    def __init__(self, config, backend, recompute=1, cuda_graph=False):
+    def __init__(self, config, backend, recompute=1, flat_size=None):
+        """flat_size: the length of params_flat and grads_flat, num_parameters or more. ZeRO-1 cuts the
+        flat buffers into equal shards and asks for them padded (llm/zero.py: padded_size); the model
+        never reads the padding."""
         if recompute not in (0, 1, 2):
             raise ValueError(f"recompute must be 0 (keep every activation), 1 (recompute GELU) or 2 "
                              f"(GELU and layernorms), not {recompute}")
+        P = config.num_parameters
+        flat_size = P if flat_size is None else flat_size
+        if flat_size < P:
+            raise ValueError(f"flat_size {flat_size} is less than the model's {P} parameters")
         self.config, self.backend, self.recompute = config, backend, recompute
-        self.params_flat = backend.xp.zeros(config.num_parameters, backend.dtype)
-        self.grads_flat = backend.xp.zeros(config.num_parameters, backend.dtype)
-        self._views()
+        self.params_flat = backend.xp.zeros(flat_size, backend.dtype)
+        self.grads_flat = backend.xp.zeros(flat_size, backend.dtype)
+        self.params = ParamViews(self.params_flat[:P], config)
+        self.grads = ParamViews(self.grads_flat[:P], config)
         self._acts = {}        # (B, T) -> Activations
         self._pending = None   # the activations of the last forward, which backward starts from
-        self.cuda_graph = cuda_graph and backend.can_record   # only the cupy backend records graphs
-        self._graphs = {}      # ("forward", B, T) or ("backward", B, T, dloss) -> None (seen once) or a graph
-
-    def _views(self):
-        P = self.config.num_parameters
-        self.params = ParamViews(self.params_flat[:P], self.config)
-        self.grads = ParamViews(self.grads_flat[:P], self.config)
-
-    def pad_flat(self, multiple):
-        """Grow params_flat and grads_flat with zeros to a multiple of `multiple` elements.
-
-        ZeRO-1 cuts the flat buffers into equal shards (llm/zero.py calls this); the model never reads
-        the padding."""
-        size = -(-self.config.num_parameters // multiple) * multiple
-        if size != self.params_flat.size:
-            for name in ("params_flat", "grads_flat"):
-                padded = self.backend.xp.zeros(size, self.backend.dtype)
-                padded[:self.config.num_parameters] = getattr(self, name)[:self.config.num_parameters]
-                setattr(self, name, padded)
-            self._views()
-            self._graphs.clear()   # they point at the old buffers
 
     # ---- parameters in and out (host float32, the checkpoint's layout) ----
     def load_params(self, flat):
@@ -143,7 +132,7 @@ class GPT2:
             raise ValueError(f"sequence length T={T} exceeds the model's max_seq_len {self.config.max_seq_len}")
         a = self.activations(B, T)
         self.backend.copy_in(a.inputs, np.ascontiguousarray(inputs, np.int32))
-        self._run(("forward", B, T), lambda: self._forward(a))
+        self.backend.run(("forward", a), lambda: self._forward(a))
         self._pending = a
         return a.logits
 
@@ -151,20 +140,30 @@ class GPT2:
         cfg, be, p = self.config, self.backend, self.params
         L, NH = cfg.num_layers, cfg.num_heads
         be.encoder_forward(a.encoded, a.inputs, p.wte, p.wpe)
+        out, mean, rstd, w, b = self._layernorm_before(a, 0)
+        be.layernorm_forward(out, mean, rstd, a.encoded, w, b)
         for l in range(L):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             ln1, ln2, fch_gelu = a.ln1_of(l), a.ln2_of(l), a.fch_gelu_of(l)
-            be.layernorm_forward(ln1, a.ln1_mean[l], a.ln1_rstd[l], residual, p.ln1w[l], p.ln1b[l])
             be.matmul_forward(a.qkv[l], ln1, p.qkvw[l], p.qkvb[l])
             be.attention_forward(a.atty[l], a.att[l], a.qkv[l], NH)
             be.matmul_forward(a.proj, a.atty[l], p.attprojw[l], p.attprojb[l])
-            be.residual_forward(a.residual2[l], residual, a.proj)
-            be.layernorm_forward(ln2, a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l], p.ln2w[l], p.ln2b[l])
+            # residual2 = residual + proj, and ln2 of it, in one pass (as llm.c fuses them)
+            be.residual_layernorm_forward(a.residual2[l], ln2, a.ln2_mean[l], a.ln2_rstd[l], residual, a.proj,
+                                          p.ln2w[l], p.ln2b[l])
             be.matmul_gelu_forward(a.fch[l], fch_gelu, ln2, p.fcw[l], p.fcb[l])
             be.matmul_forward(a.proj, fch_gelu, p.fcprojw[l], p.fcprojb[l])
-            be.residual_forward(a.residual3[l], a.residual2[l], a.proj)
-        be.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, a.residual3[L - 1], p.lnfw, p.lnfb)
+            # residual3 = residual2 + proj, and the next layer's ln1 of it (after the last layer: lnf)
+            out, mean, rstd, w, b = self._layernorm_before(a, l + 1)
+            be.residual_layernorm_forward(a.residual3[l], out, mean, rstd, a.residual2[l], a.proj, w, b)
         be.matmul_forward(a.logits, a.lnf, p.wte, None)   # the lm_head is tied to wte, no bias
+
+    def _layernorm_before(self, a, l):
+        """(out, mean, rstd, w, b) of the layernorm at the start of layer l: ln1, or lnf for l = L."""
+        p = self.params
+        if l == self.config.num_layers:
+            return a.lnf, a.lnf_mean, a.lnf_rstd, p.lnfw, p.lnfb
+        return a.ln1_of(l), a.ln1_mean[l], a.ln1_rstd[l], p.ln1w[l], p.ln1b[l]
 
     def validate(self, inputs, targets):
         """Per-position losses (B, T) float32 of a forward on `inputs`; no gradient is computed."""
@@ -189,7 +188,7 @@ class GPT2:
             raise RuntimeError("backward() needs a forward(inputs) first")
         a, self._pending = self._pending, None
         self.backend.copy_in(a.targets, np.ascontiguousarray(targets, np.int32))
-        self._run(("backward",) + a.targets.shape + (dloss,), lambda: self._backward(a, dloss))
+        self.backend.run(("backward", a, dloss), lambda: self._backward(a, dloss))
         return a.losses
 
     def _backward(self, a, dloss):
@@ -221,23 +220,3 @@ class GPT2:
             be.layernorm_backward(a.dresidual, g.ln1w[l], g.ln1b[l], a.dln, residual, p.ln1w[l],
                                   a.ln1_mean[l], a.ln1_rstd[l])
         be.encoder_backward(g.wte, g.wpe, a.dresidual, a.inputs)
-
-    def _run(self, key, work):
-        """Run `work`, a forward's or a backward's device work, which reads and writes only buffers that
-        stay put (parameters, gradients, activations, scratch), so that a record of it stays valid.
-
-        Without CUDA graphs it just runs. With them, the first call for a shape runs it directly (this
-        compiles the kernels, plans the GEMMs and allocates the scratch, none of which a recording may do);
-        the second records its launches as a graph (recording runs nothing), and that call and every later
-        one replays the graph: the same kernels, in the same order, on the same buffers, so the results are
-        the same to the bit."""
-        if not self.cuda_graph:
-            work()
-            return
-        if key not in self._graphs:
-            self._graphs[key] = None
-            work()
-            return
-        if self._graphs[key] is None:
-            self._graphs[key] = self.backend.record(work)
-        self._graphs[key].replay()

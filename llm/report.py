@@ -37,7 +37,7 @@ def config_tables(args, run, model, backend, comm):
         BORDER,
         table([("device", backend.device_name()), ("peak TFlops", f"{peak / 1e12 if peak else -1.0:.1f}"),
                ("precision", backend.precision.upper()),
-               ("CUDA graphs", "enabled" if model.cuda_graph else "disabled")]),
+               ("CUDA graphs", "enabled" if backend.cuda_graph else "disabled")]),
         BORDER,
         table([("weight init method", init), ("max_sequence_length T", config.max_seq_len),
                ("vocab_size V", config.vocab_size), ("padded_vocab_size Vp", config.padded_vocab_size),

@@ -1,7 +1,8 @@
 """Sampling text from a model: llm.c's sampler, and a command line that prints text from a checkpoint.
 
   python -m llm.sample -e log_train/model_00000250.bin                 64 tokens after an EOT
-  python -m llm.sample -e gpt2_124M.bin --prompt "The meaning of life is" -n 100 --top_k 40
+  python -m llm.sample -e gpt2_124M.bin --prompt "The meaning of life is" -g 100 --top_k 40
+  python -m llm.sample -e log_train                                    the run's newest complete checkpoint
 
 Training prints samples as llm.c does (generate()): xorshift* coins from seed 1337 and inverse-CDF
 sampling over softmax(logits), starting from EOT. The command line adds what nanoGPT's sample.py
@@ -16,6 +17,7 @@ import numpy as np
 
 from llm import formats
 from llm.backends import BackendError, get_backend, resolve
+from llm.checkpoint import CheckpointError, find_model
 from llm.config import WEIGHTS_HINT, ConfigError
 from llm.launch import Parser
 from llm.model import GPT2
@@ -92,7 +94,7 @@ def generate(model, eot, gen_tokens, max_T):
 
 
 # ----------------------------------------------------------------------------------------------
-# The command line: python -m llm.sample -e MODEL.bin [--prompt TEXT] [-n N] ...
+# The command line: python -m llm.sample -e MODEL.bin [--prompt TEXT] [-g N] ...
 
 class UsageError(ValueError):
     pass
@@ -101,11 +103,13 @@ class UsageError(ValueError):
 def arguments():
     parser = Parser(prog="python -m llm.sample", description="Print text sampled from a model checkpoint "
                     "(llm.c's sampler, plus a prompt, temperature and top-k).")
-    parser.add_argument("-e", default="gpt2_124M.bin", metavar="MODEL", help="model checkpoint .bin (default: gpt2_124M.bin, "
-                                                            "which python data/gpt2.py writes)")
+    parser.add_argument("-e", default="gpt2_124M.bin", metavar="MODEL",
+                        help="model checkpoint .bin, or a run's -o directory: its newest complete checkpoint "
+                             "(default: gpt2_124M.bin, which python data/gpt2.py writes)")
     parser.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: none, start from EOT alone); "
                                                      "encoding it needs GPT-2's BPE ranks, see --vocab")
-    parser.add_argument("-n", type=int, default=64, help="new tokens to generate (default: 64)")
+    parser.add_argument("-g", "-n", dest="n", type=int, default=64, metavar="N",
+                        help="new tokens to generate, train_gpt2.py's -g (default: 64)")
     parser.add_argument("--temperature", type=float, default=1.0, metavar="T",
                         help="divides the logits: below 1 is more conservative, above 1 more random (default: 1)")
     parser.add_argument("--top_k", type=int, default=0, metavar="K",
@@ -121,7 +125,7 @@ def arguments():
 
 def check_args(args):
     if args.n < 1:
-        raise UsageError(f"-n {args.n}: generate at least 1 token")
+        raise UsageError(f"-g {args.n}: generate at least 1 token")
     if not (args.temperature > 0 and math.isfinite(args.temperature)):
         raise UsageError(f"--temperature {args.temperature}: must be positive (--top_k 1 decodes greedily)")
     if args.top_k < 0:
@@ -137,7 +141,7 @@ def main(argv):
     if not os.path.exists(args.e):
         raise UsageError(f"{args.e}: no such file: {WEIGHTS_HINT}; `make train` writes "
                          f"log_train/model_00000250.bin")
-    config, params, _ = formats.read_model(args.e)
+    config, params, _ = formats.read_model(find_model(args.e))
     if not os.path.exists(args.tokenizer):
         raise UsageError(f"{args.tokenizer}: no such file: `make data` or python data/gpt2.py writes it "
                          f"(or pass --tokenizer PATH)")
@@ -148,10 +152,10 @@ def main(argv):
     context = [tokenizer.eot] + prompt
     room = config.max_seq_len - len(context)
     if args.n > room:
-        raise UsageError(f"-n {args.n}: EOT, the prompt's {len(prompt)} tokens and the new tokens must fit the "
-                         f"model's max_seq_len {config.max_seq_len}: "
-                         + (f"ask for -n {room} or fewer" if room > 0 else "shorten the prompt"))
-    model = GPT2(config, get_backend(*backend), cuda_graph=True)   # one launch per token on the GPU
+        raise UsageError(f"-g {args.n}: EOT, the prompt's {len(prompt)} tokens and the new tokens must fit "
+                         f"the model's max_seq_len {config.max_seq_len}: "
+                         + (f"ask for -g {room} or fewer" if room > 0 else "shorten the prompt"))
+    model = GPT2(config, get_backend(*backend, cuda_graph=True))   # one launch per token on the GPU
     model.load_params(params)
     tokens = sample(model, context, args.n, config.max_seq_len, Rng(args.seed), args.temperature, args.top_k)
     print(tokenizer.decode(prompt + tokens))
@@ -160,6 +164,6 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (UsageError, formats.FormatError, TokenizerError, BackendError, ConfigError) as e:
+    except (UsageError, formats.FormatError, TokenizerError, BackendError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

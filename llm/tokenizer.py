@@ -3,7 +3,8 @@
 Tokenizer encodes and decodes with tiktoken; the data scripts use it. Its merge ranks come from a local
 `gpt2.tiktoken` file when one is named (the --vocab flag or the GPT2_VOCAB environment variable), else
 tiktoken downloads them. TokenizerFile decodes from the byte strings a tokenizer file holds, as llm.c's
-training loop does when it prints samples.
+training loop does when it prints samples. byte_to_unicode and recover_merges give GPT-2's original files
+(vocab.json, merges.txt, which Hugging Face's tokenizer reads) from the same ranks: python -m llm.export.
 """
 import os
 
@@ -84,3 +85,53 @@ class TokenizerFile:
 
     def decode(self, ids):
         return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPT-2's original BPE files, vocab.json and merges.txt, from tiktoken's ranks
+
+def byte_to_unicode():
+    """GPT-2's byte -> character table, in which vocab.json and merges.txt spell a token's bytes as text.
+
+    The 188 printable bytes ('!'..'~', '¡'..'¬', '®'..'ÿ') stand for themselves; the 68 others (control
+    characters, the space, 0x7F..0xA0, the soft hyphen 0xAD) become chr(256), chr(257), ... in byte order,
+    so that a space is "Ġ" (chr(256 + 32)) and a newline "Ċ" (chr(256 + 10))."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in table]
+    table.update({b: chr(256 + n) for n, b in enumerate(others)})
+    return table
+
+
+def bpe(token, ranks, max_rank):
+    """`token`'s bytes merged by byte-pair encoding with the merges of rank below max_rank: from single
+    bytes, join the adjacent pair whose bytes together have the lowest rank, until no pair has a rank below
+    max_rank."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 1:
+        pair_ranks = [ranks.get(a + b, max_rank) for a, b in zip(parts, parts[1:])]
+        rank = min(pair_ranks)
+        if rank >= max_rank:
+            break
+        i = pair_ranks.index(rank)   # the first pair of that rank, as tiktoken merges
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def recover_merges(ranked):
+    """GPT-2's merges, in order, from its ranked tokens (`ranked[r]` is the bytes of the token of rank r).
+
+    tiktoken ranks tokens, merges.txt lists pairs: the token of rank r was made by the merge of the two parts
+    that BPE with the merges below r leaves of it. Every token longer than a byte is one merge, so GPT-2's
+    50,256 ranked tokens give its 256 bytes and 50,000 merges."""
+    ranks = {token: rank for rank, token in enumerate(ranked)}
+    merges = []
+    for rank, token in enumerate(ranked):
+        if len(token) > 1:
+            parts = bpe(token, ranks, rank)
+            if len(parts) != 2:
+                raise TokenizerError(f"token {rank} ({token!r}) is not a merge of two tokens of lower rank: "
+                                     f"these are not BPE ranks")
+            merges.append(tuple(parts))
+    return merges

@@ -2,8 +2,8 @@
 
 -z 0  every rank keeps full m, v (and master weights); gradients are all-reduced (averaged) and every
       rank applies the same update to the whole buffer.
--z 1  the flat buffers are padded to a multiple of N (the optimizer pads the model's buffers itself) and
-      rank r owns the contiguous shard
+-z 1  the flat buffers are padded to a multiple of the number of ranks N (padded_size: the model is
+      allocated at that size from the start) and rank r owns the contiguous shard
       [r*S, (r+1)*S), S = ceil(P / N). It keeps m, v and the fp32 master weights for its shard only.
       Gradients are reduce-scattered (averaged) into the shard, the global norm is the square root of
       the all-reduced sum of the shards' squared norms, AdamW updates the shard (weight decay applied
@@ -22,11 +22,19 @@ import math
 
 import numpy as np
 
+from reference.adamw import BETA1, BETA2, EPS
+
 from .layout import decay_segments
 
-# AdamW's hyperparameters: llm.c's train_gpt2.cu hard-codes these at its AdamW call site
-BETA1, BETA2, EPS = 0.9, 0.95, 1e-8
 GRAD_CLIP = 1.0   # the global gradient norm is clipped to this
+
+
+def padded_size(num_parameters, world_size, zero_stage):
+    """The length of the flat buffers (params, grads, m, v): at -z 1 num_parameters rounded up to a
+    multiple of world_size, so that every rank's shard has the same length; else num_parameters.
+    The model is allocated at this size (GPT2(..., flat_size=...)); it never reads the padding."""
+    multiple = world_size if zero_stage == 1 else 1
+    return -(-num_parameters // multiple) * multiple
 
 
 def clip_scale(grad_norm, clip=GRAD_CLIP):
@@ -43,11 +51,14 @@ class ZeroOptimizer:
     def __init__(self, model, comm, zero_stage, weight_decay, master_weights=True):
         if zero_stage not in (0, 1):
             raise ValueError(f"ZeRO stage {zero_stage} is not supported: use -z 0 or -z 1")
-        be, N = model.backend, comm.world_size
+        be, world_size = model.backend, comm.world_size
         self.model, self.comm, self.stage, self.weight_decay = model, comm, zero_stage, weight_decay
-        if zero_stage == 1:
-            model.pad_flat(N)   # equal shards: the buffers must divide by N
-        self.shard_size = model.params_flat.size // N if zero_stage == 1 else model.params_flat.size
+        size = padded_size(model.config.num_parameters, world_size, zero_stage)
+        if model.params_flat.size != size:
+            raise ValueError(f"ZeRO stage {zero_stage} over {world_size} ranks needs flat buffers of {size} "
+                             f"elements, the model has {model.params_flat.size}: build it with "
+                             f"GPT2(..., flat_size=padded_size(P, world_size, zero_stage))")
+        self.shard_size = size // world_size if zero_stage == 1 else size
         self.lo = comm.rank * self.shard_size if zero_stage == 1 else 0
         self.hi = self.lo + self.shard_size
         self.m = be.xp.zeros(self.shard_size, np.float32)

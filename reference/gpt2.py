@@ -8,7 +8,7 @@ in the dtype of the arrays given (float64 for gradient checks, float32 to compar
 """
 import numpy as np
 
-from .adamw import adamw_update
+from .adamw import BETA1, BETA2, EPS, adamw_update
 from .attention import attention_backward, attention_forward
 from .crossentropy import crossentropy_backward, crossentropy_forward
 from .encoder import encoder_backward, encoder_forward
@@ -89,7 +89,7 @@ def gpt2_backward(params, config, cache):
     return grads
 
 
-def adamw_step(params, grads, m, v, t, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_scale=1.0):
+def adamw_step(params, grads, m, v, t, lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0, grad_scale=1.0):
     """AdamW over every tensor -> new (params, m, v) dicts; the defaults are train_gpt2.cu's betas and eps.
 
     As llm.c, weight decay applies only to the matrices (WEIGHT_DECAY_NAMES)."""

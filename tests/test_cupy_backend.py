@@ -129,6 +129,9 @@ def test_layernorm_forward_and_backward_accumulate(gpu, shape):
     dinp, dw, db, dout = randn(rng, B, T, C), randn(rng, C), randn(rng, C), randn(rng, B, T, C)
     assert_close(gpu, compare(gpu, "layernorm_backward", [dinp, dw, db, dout, x, w, mean, rstd], [0, 1, 2],
                               fp32=[6, 7]))
+    residual, x2 = np.zeros((B, T, C), np.float32), randn(rng, B, T, C)
+    assert_close(gpu, compare(gpu, "residual_layernorm_forward", [residual, out, mean, rstd, x, x2, w, b],
+                              [0, 1, 2, 3], poison=[0, 1, 2, 3], fp32=[2, 3]))
 
 
 @pytest.mark.parametrize("layer", ["qkv", "fcproj", "lm_head"])
@@ -198,15 +201,28 @@ def cudnn_usable():
         return False
 
 
-@pytest.mark.parametrize("attention", ["flash", pytest.param("cudnn", marks=pytest.mark.skipif(
+def attention_backend(attention):
+    """A bf16 backend with the named attention: "flash" is the default's (on Hopper, the wgmma kernels),
+    "flash-mma" the mma.sync kernels that run on any GPU, "cudnn" cuDNN's."""
+    from llm.backends.attention import FlashAttention
+    gpu = CupyBackend("bf16", attention="cudnn" if attention == "cudnn" else "flash")
+    if attention == "flash-mma":
+        gpu.attention = FlashAttention(gpu.kernels, gpu.scratch)
+    return gpu
+
+
+ODD_SIZES = [(T, 2, hs) for T in (1, 37, 129) for hs in (16, 32, 64)] + [(100, 3, 16), (1024, 2, 64)]
+
+
+@pytest.mark.parametrize("attention", ["flash", "flash-mma", pytest.param("cudnn", marks=pytest.mark.skipif(
     not cudnn_usable(), reason="needs cuDNN's frontend (pip install .[cudnn])"))])
-@pytest.mark.parametrize("T, NH, hs", [(1, 2, 64), (37, 2, 64), (100, 3, 16), (129, 2, 32), (1024, 2, 64)])
+@pytest.mark.parametrize("T, NH, hs", ODD_SIZES)
 def test_fused_attention_matches_the_naive_attention_at_odd_sizes(attention, T, NH, hs):
-    """bf16 flash attention (and cuDNN's) against the float64 naive reference: T not a multiple of the
-    64-row tiles, T = 1, head sizes 16, 32 and 64. It also runs twice to the same bits (no atomics), and
+    """bf16 flash attention (each kernel, and cuDNN's) against the float64 naive reference: T not a multiple
+    of the tiles, T = 1, head sizes 16, 32 and 64. It also runs twice to the same bits (no atomics), and
     flash attention's saved lse is the log-sum-exp of each row's causal scores."""
     import reference as ref_math
-    gpu = CupyBackend("bf16", attention=attention)
+    gpu = attention_backend(attention)
     rng = np.random.default_rng(T)
     B, C = 2, NH * hs
     qkv, dout = rounded(gpu, randn(rng, B, T, 3 * C)), rounded(gpu, randn(rng, B, T, C))
@@ -330,7 +346,7 @@ def test_training_replayed_from_cuda_graphs_equals_training_without_to_the_bit(a
              for _ in range(5)]   # 5 steps of 2 micro-batches: graphs recorded at step 2, replayed after
 
     def train(cuda_graph):
-        model = GPT2(config, CupyBackend("bf16", attention=attention), cuda_graph=cuda_graph)
+        model = GPT2(config, CupyBackend("bf16", attention=attention, cuda_graph=cuda_graph))
         model.load_params(params)
         optimizer = ZeroOptimizer(model, SingleComm(), zero_stage=0, weight_decay=0.1)
         guard = UpdateGuard()
@@ -339,8 +355,9 @@ def test_training_replayed_from_cuda_graphs_equals_training_without_to_the_bit(a
         return model, losses, model.params_numpy(), val
 
     eager, graphed = train(False), train(True)
-    assert graphed[0]._graphs and all(g is not None for g in graphed[0]._graphs.values())
-    assert not eager[0]._graphs
+    recorded = graphed[0].backend.graphs.graphs
+    assert recorded and all(g is not None for g in recorded.values())
+    assert not eager[0].backend.graphs.graphs
     assert graphed[1] == eager[1]
     np.testing.assert_array_equal(graphed[2], eager[2])
     np.testing.assert_array_equal(graphed[3], eager[3])

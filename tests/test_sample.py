@@ -1,4 +1,5 @@
-"""python -m llm.sample: text from a checkpoint, with a seed, a temperature and top-k; bounded generation.
+"""python -m llm.sample: text from a checkpoint or a run's directory, with a seed, a temperature and top-k;
+-g (train_gpt2.py's flag) or -n new tokens; bounded generation.
 
 The model is a tiny random GPT-2 over a 96-token vocabulary: the 95 printable ASCII characters, then EOT,
 so that what the sampler prints can be decoded by hand."""
@@ -72,10 +73,27 @@ def test_top_k_1_is_greedy_decoding_by_the_reference_forward(files):
 
 def test_defaults_print_what_training_prints(files):
     """No prompt, temperature 1, no top-k, seed 1337: llm.c's sample of -g N tokens is N-1 tokens after EOT."""
-    printed = text_of(run_sample(files, "-n", 15))
+    printed = text_of(run_sample(files, "-g", 15))
     tokens = generate(tiny_model(), EOT, 16, CONFIG.max_seq_len)
     assert len(tokens) == 15
     assert printed == b"".join(CHARS[t] if t < EOT else b"<|endoftext|>" for t in tokens).decode()
+    assert text_of(run_sample(files, "-n", 15)) == printed   # -n, the flag's earlier name, is the same flag
+
+
+def test_a_run_directory_gives_its_newest_complete_checkpoint(files):
+    """-e DIR reads the model of DIR's largest DONE step, as -y 1 resumes it: a newer model without DONE
+    (a checkpoint being written, or cut short) is passed over. The layout is llm.c's as well as ours."""
+    run = files / "run"
+    run.mkdir()
+    for step, seed, done in ((3, 1, True), (5, 42, True), (10, 2, False)):
+        formats.write_model(run / f"model_{step:08d}.bin", CONFIG, init_params(CONFIG, seed=seed))
+        if done:
+            (run / f"DONE_{step:08d}").touch()
+    (run / "state_00000005_00000.bin").touch()   # llm.c's per-rank state file
+    printed = text_of(run_sample(files, "-e", "run", "-g", 20))
+    assert printed == text_of(run_sample(files, "-e", "model.bin", "-g", 20))   # step 5's: seed 42
+    assert printed != text_of(run_sample(files, "-e", "run/model_00000010.bin", "-g", 20))
+    assert printed != text_of(run_sample(files, "-e", "run/model_00000003.bin", "-g", 20))
 
 
 def test_a_huge_token_count_is_cut_to_the_window():
@@ -90,10 +108,11 @@ def test_a_huge_token_count_is_cut_to_the_window():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["-n", 40], "-n 40: EOT, the prompt's 0 tokens and the new tokens must fit the model's max_seq_len 32: "
-                 "ask for -n 31 or fewer"),
-    (["-n", 0], "-n 0: generate at least 1 token"),
-    (["-n", "many"], "argument -n: invalid int value: 'many'"),
+    (["-g", 40], "-g 40: EOT, the prompt's 0 tokens and the new tokens must fit the model's max_seq_len 32: "
+                 "ask for -g 31 or fewer"),
+    (["-g", 0], "-g 0: generate at least 1 token"),
+    (["-n", 0], "-g 0: generate at least 1 token"),
+    (["-g", "many"], "argument -g/-n: invalid int value: 'many'"),
     (["--temperature", 0], "--temperature 0.0: must be positive"),
     (["--top_k", -1], "--top_k -1: must be 0 (all tokens) or positive"),
     (["--seed", 0], "--seed 0: xorshift needs a seed that is not 0"),
@@ -102,6 +121,7 @@ def test_a_huge_token_count_is_cut_to_the_window():
     (["-e", "gpt2_124M.bin"], "gpt2_124M.bin: no such file: python data/gpt2.py writes GPT-2's weights"),
     (["--tokenizer", "gpt2_tokenizer.bin"], "gpt2_tokenizer.bin: no such file: `make data` or python data/gpt2.py"),
     (["--tokenizer", "model.bin"], "model.bin: bad magic 20240326"),
+    (["-e", "."], ".: a directory without a complete checkpoint (no DONE_%08d file)"),
 ])
 def test_bad_input_is_one_line(files, args, message):
     proc = run_sample(files, *args)
@@ -116,7 +136,7 @@ def test_a_prompt_is_continued_and_must_fit_the_window(tmp_path):
     config = GPT2Config(max_seq_len=16, num_layers=1, num_heads=2, channels=16)   # GPT-2's vocabulary
     formats.write_model(tmp_path / "model.bin", config, init_params(config))
     Tokenizer(VOCAB).write_tokenizer_file(tmp_path / "tokenizer.bin")
-    proc = run_sample(tmp_path, "--prompt", "Hello world", "--vocab", VOCAB, "-n", 5)   # 2 tokens: 15496, 995
+    proc = run_sample(tmp_path, "--prompt", "Hello world", "--vocab", VOCAB, "-g", 5)   # 2 tokens: 15496, 995
     assert text_of(proc).startswith("Hello world") and len(text_of(proc)) > len("Hello world")
-    proc = run_sample(tmp_path, "--prompt", "Hello world", "--vocab", VOCAB, "-n", 14)
-    assert "the prompt's 2 tokens" in proc.stderr and "ask for -n 13 or fewer" in proc.stderr
+    proc = run_sample(tmp_path, "--prompt", "Hello world", "--vocab", VOCAB, "-g", 14)
+    assert "the prompt's 2 tokens" in proc.stderr and "ask for -g 13 or fewer" in proc.stderr

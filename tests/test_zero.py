@@ -116,22 +116,25 @@ class ShardOnlyComm:
         pass
 
 
-def test_zero1_over_an_unpadded_model_pads_it_and_updates_every_parameter():
-    """P = 3,385,088 does not divide by 3: the optimizer pads the model's buffers itself, and the three
-    shards together update every parameter, the last one included."""
+def test_zero1_over_a_padded_model_updates_every_parameter_and_refuses_an_unpadded_one():
+    """P = 3,385,088 does not divide by 3: the model is built with buffers padded to a multiple of 3,
+    and the three shards together update every parameter, the last one included. A model built without
+    the padding is refused, not resized under its owner."""
     from llm.backends import get_backend
     from llm.config import GPT2Config
     from llm.model import GPT2
-    from llm.zero import ZeroOptimizer
+    from llm.zero import ZeroOptimizer, padded_size
     config = GPT2Config.from_descriptor("d2c64h4")
     P = config.num_parameters
     assert P % 3 != 0
+    with pytest.raises(ValueError, match="needs flat buffers of"):
+        ZeroOptimizer(GPT2(config, get_backend("numpy")), ShardOnlyComm(0, 3), zero_stage=1, weight_decay=0.0)
     updated = np.zeros(P, bool)
     for rank in range(3):
-        model = GPT2(config, get_backend("numpy"))
-        assert model.params_flat.size == P                      # unpadded as built
+        model = GPT2(config, get_backend("numpy"), flat_size=padded_size(P, 3, zero_stage=1))
+        assert model.params_flat.size == 3 * math.ceil(P / 3)   # padded as built
         optimizer = ZeroOptimizer(model, ShardOnlyComm(rank, 3), zero_stage=1, weight_decay=0.0)
-        assert model.params_flat.size == 3 * math.ceil(P / 3)   # padded by the optimizer
+        assert model.params_flat.size == 3 * math.ceil(P / 3)   # and left as it was
         assert optimizer.hi - optimizer.lo == math.ceil(P / 3)
         model.grads_flat[...] = 1.0
         before = model.params_numpy()

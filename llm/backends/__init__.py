@@ -12,9 +12,9 @@ Attributes
   asarray(a, dtype=None)   host numpy array -> backend array (dtype defaults to a's)
   to_numpy(x)   backend array -> numpy array (bf16 becomes float32)
   copy_in(dst, a)   host numpy array a -> the existing backend array dst, same shape and dtype
-  can_record    whether record() is available: the cupy backend in bf16 (fp32's attention calls cuBLAS
-                through CuPy, which refuses to be recorded)
-  record(work)  work's device work recorded as a CUDA graph, an object whose replay() runs it again
+  run(key, work)   run work(), a forward's or a backward's device work; with CUDA graphs on (the cupy backend
+                in bf16, cuda_graph=True) the same key is run, then recorded, then replayed (graphs.py)
+  cuda_graph    whether run() records and replays
   synchronize() wait for queued device work (no-op on numpy)
   device_name() what the backend computes on, for the printed config
   peak_flops()  the device's dense peak FLOP/s at this precision, for MFU; None where unknown
@@ -27,6 +27,8 @@ its dinp is the residual stream's gradient, which already holds the skip connect
   encoder_forward(out, inp, wte, wpe)            out(B,T,C) = wte[inp] + wpe[:T]; inp int32 (B,T)
   encoder_backward(dwte, dwpe, dout, inp)        dwte[inp] += dout; dwpe[:T] += sum_b dout
   layernorm_forward(out, mean, rstd, inp, w, b)  mean, rstd: float32 (B,T); eps 1e-5
+  residual_layernorm_forward(residual, out, mean, rstd, inp1, inp2, w, b)
+                                                 residual = inp1 + inp2, then layernorm_forward(out, .., residual)
   layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd)   all three +=
   matmul_forward(out, inp, w, bias)              out(B,T,OC) = inp(B,T,C) @ w(OC,C)^T + bias(OC) (bias may be None)
   matmul_backward(dinp, dw, dbias, dout, inp, w) dinp = dout @ w;  dw += dout^T @ inp;  dbias += sum dout
@@ -87,11 +89,13 @@ def resolve(name="auto", precision="auto"):
     return name, precision
 
 
-def get_backend(name="auto", precision="auto", allow_tf32=True, attention="auto"):
+def get_backend(name="auto", precision="auto", allow_tf32=True, attention="auto", cuda_graph=False):
     """Build a backend (names and precisions as resolve()). Only the cupy backend imports cupy.
 
     attention: auto (flash attention in bf16 on the GPU, the naive one in fp32 and on the CPU), or cudnn:
-    cuDNN's fused attention, bf16 on the GPU only."""
+    cuDNN's fused attention, bf16 on the GPU only. cuda_graph: replay each forward and backward as a CUDA
+    graph where the backend can (the cupy backend in bf16; fp32's attention calls cuBLAS through CuPy,
+    which refuses to be recorded)."""
     name, precision = resolve(name, precision)
     if attention not in ("auto", "cudnn"):
         raise BackendError(f"unknown attention '{attention}': choose auto or cudnn")
@@ -103,6 +107,6 @@ def get_backend(name="auto", precision="auto", allow_tf32=True, attention="auto"
     from .cupy_backend import CupyBackend
     try:
         return CupyBackend(precision=precision, allow_tf32=allow_tf32,
-                           attention="cudnn" if attention == "cudnn" else "flash")
+                           attention="cudnn" if attention == "cudnn" else "flash", cuda_graph=cuda_graph)
     except ImportError as e:   # the cudnn option's package
         raise BackendError(str(e)) from None

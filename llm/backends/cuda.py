@@ -2,9 +2,10 @@
 
 cupy_backend.py launches the ops; this file holds what every launcher needs and no op of its own.
 
-Kernels: each kernels/<family>.cu is compiled once per element type with cupy.RawModule, floatX set by
--DFLOATX. Kernels that move 16-byte packs need the row lengths they step over (C, T, hs, Vp) to be
-multiples of 8 and 16-byte aligned arrays; check_packs says so in one line when they are not.
+Kernels: each kernels/<family>.cu is compiled with cupy.RawModule once per element type (floatX, set by
+-DFLOATX) and per set of defines its launcher passes (tile sizes, head size). Kernels that move 16-byte
+packs need the row lengths they step over (C, T, hs, Vp) to be multiples of 8 and 16-byte aligned
+arrays; check_packs says so in one line when they are not.
 
 cuBLAS is column-major; our arrays are row-major. A row-major (R, K) array is, in cuBLAS's eyes, the
 column-major K x R matrix: its transpose. So out = inp @ w^T, row-major (N, OC), is computed as the
@@ -13,7 +14,12 @@ with op T, and inp's memory as inp^T, so inp goes in as is: gemm(T, N, m=OC, n=N
 spells its own mapping.
 """
 import ctypes
+import hashlib
 import importlib.resources
+import json
+import os
+import pathlib
+import re
 
 import numpy as np
 
@@ -22,7 +28,7 @@ import ml_dtypes
 from cupy_backends.cuda.libs import cublas   # loads libcublas: import this module only once a GPU is known
 
 KERNELS = importlib.resources.files(__package__) / "kernels"
-COMMON_INCLUDE = '#include "common.cuh"'
+INCLUDE = re.compile(r'^#include "(\w+\.cuh)"$', re.MULTILINE)   # a header of kernels/
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP32 = np.dtype(np.float32)
 CTYPES = {BF16: "__nv_bfloat16", FP32: "float"}
@@ -51,23 +57,123 @@ def check_int32(name, a):
         raise TypeError(f"the cupy backend needs {name} as an int32 array, got {a.dtype}")
 
 
+def kernel_source(name, pasted=None):
+    """kernels/<name> with each `#include "x.cuh"` of kernels/ replaced by that file's text, once per file.
+    The headers are pasted in rather than found on an include path so that CuPy's compile cache, keyed on
+    the source text, sees any change to them."""
+    pasted = set() if pasted is None else pasted
+    pasted.add(name)
+
+    def paste(match):
+        header = match.group(1)
+        return "" if header in pasted else kernel_source(header, pasted)
+    return INCLUDE.sub(paste, (KERNELS / name).read_text())
+
+
 class Kernels:
-    """kernels[family, name, dtype]: the compiled kernel `name` of kernels/<family>.cu for element type dtype."""
+    """kernels.get(family, name, dtype, **defines): the kernel `name` of kernels/<family>.cu, compiled for
+    element type dtype and with -DNAME=value for each define.
+
+    A launcher passes here every constant its launch depends on (tiles, warps, head size), so that the
+    .cu's #ifndef values are defaults only and a grid can never disagree with the code it launches. What
+    the code itself decides (the bytes of shared memory its layout takes) the launcher reads back with
+    kernels.value(). Each (family, dtype, arch, defines) is one module, compiled on first use and kept on
+    disk. arch names a target CuPy's compile cannot reach (sm_90a: Hopper's wgmma and setmaxnreg)."""
 
     def __init__(self):
-        self._modules, self._kernels = {}, {}
+        self._modules, self._kernels, self._values = {}, {}, {}
 
-    def __getitem__(self, key):
-        family, name, dtype = key
-        if key not in self._kernels:
-            if (family, dtype) not in self._modules:
-                # common.cuh is pasted in rather than found on an include path, so that CuPy's compile
-                # cache, keyed on the source text, sees any change to it.
-                source = (KERNELS / f"{family}.cu").read_text()
-                source = source.replace(COMMON_INCLUDE, (KERNELS / "common.cuh").read_text())
-                self._modules[family, dtype] = cupy.RawModule(code=source, options=(f"-DFLOATX={CTYPES[dtype]}",))
-            self._kernels[key] = self._modules[family, dtype].get_function(name)
-        return self._kernels[key]
+    def _module(self, family, dtype, arch, defines):
+        key = (family, np.dtype(dtype), arch, tuple(sorted(defines.items())))
+        if key not in self._modules:
+            source = kernel_source(f"{family}.cu")
+            options = (f"-DFLOATX={CTYPES[key[1]]}",) + tuple(f"-D{k}={v}" for k, v in key[3])
+            self._modules[key] = (cupy.RawModule(code=source, options=options) if arch is None
+                                  else compile_for(arch, source, options))
+        return key, self._modules[key]
+
+    def get(self, family, name, dtype, arch=None, **defines):
+        key, module = self._module(family, dtype, arch, defines)
+        if (key, name) not in self._kernels:
+            self._kernels[key, name] = module.get_function(name)
+        return self._kernels[key, name]
+
+    def value(self, family, symbol, dtype, arch=None, **defines):
+        """An `extern "C" __device__ int` of the module, read once (a copy from the device)."""
+        key, module = self._module(family, dtype, arch, defines)
+        if (key, symbol) not in self._values:
+            self._values[key, symbol] = int(cupy.ndarray((), np.int32, module.get_global(symbol)).get())
+        return self._values[key, symbol]
+
+
+def compile_for(arch, source, options):
+    """A RawModule of source compiled by NVRTC for `arch` by name. CuPy's own compile names the target
+    itself (sm_90 on a Hopper), and a second -arch is refused; sm_90a's instructions need their own. The
+    cubin is kept in CuPy's kernel cache directory under a hash of everything that made it."""
+    from cupy_backends.cuda.libs import nvrtc
+    options = (*options, f"-arch={arch}", "--std=c++17", "-ftz=true", f"-I{cuda_include_dir()}")
+    digest = hashlib.sha256(repr((source, options, nvrtc.getVersion())).encode()).hexdigest()
+    cache = pathlib.Path(os.environ.get("CUPY_CACHE_DIR", pathlib.Path.home() / ".cupy" / "kernel_cache"))
+    path = cache / f"{digest}.{arch}.cubin"
+    if not path.exists():
+        program = nvrtc.createProgram(source, f"{digest}.cu", (), ())
+        try:
+            nvrtc.compileProgram(program, options)
+            cubin = nvrtc.getCUBIN(program)
+        except nvrtc.NVRTCError:
+            raise RuntimeError(f"NVRTC cannot compile for {arch}:\n{nvrtc.getProgramLog(program)}") from None
+        finally:
+            nvrtc.destroyProgram(program)
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(cubin)
+        os.replace(partial, path)   # whole or absent, for a process compiling the same beside this one
+    return cupy.RawModule(path=str(path))
+
+
+def cuda_include_dir():
+    """Where cuda_bf16.h is: found as CuPy finds it, else under CUDA_PATH."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+        found = find_nvidia_header_directory("cudart")
+        if found:
+            return found
+    except ImportError:
+        pass
+    return os.path.join(cupy.cuda.get_cuda_path() or "/usr/local/cuda", "include")
+
+
+class TensorMaps:
+    """Tensor maps for Hopper's copy engine (TMA): cuTensorMapEncodeTiled from the CUDA driver, through ctypes.
+
+    rows(x, width, box_rows) describes a bf16 array x of shape (B, T, W) as a 3-dimensional tensor (column,
+    t, b) read in boxes of box_rows rows by `width` columns, swizzled to the width in bytes (32, 64 or 128:
+    the pattern wgmma reads), with rows past T of a sequence read as zeros. A kernel takes the map by value,
+    as a 128-byte parameter; maps are kept per array, since the buffers a step uses stay put."""
+
+    SWIZZLES = {32: 1, 64: 2, 128: 3}           # CU_TENSOR_MAP_SWIZZLE_32B, _64B, _128B
+    BFLOAT16, INTERLEAVE_NONE, L2_PROMOTION_128B, FILL_ZEROS = 9, 0, 2, 0
+
+    def __init__(self):
+        self.driver = ctypes.CDLL("libcuda.so.1")
+        self.maps = {}
+
+    def rows(self, x, width, box_rows):
+        B, T, W = x.shape
+        key = (x.data.ptr, x.shape, width, box_rows)
+        if key not in self.maps:
+            u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+            raw = np.zeros(128 + 64, np.uint8)   # a CUtensorMap: 128 bytes on a 64-byte boundary
+            start = -raw.ctypes.data % 64
+            out = raw[start:start + 128].view(np.dtype([("opaque", np.uint8, 128)]))   # passed by value
+            status = self.driver.cuTensorMapEncodeTiled(
+                ctypes.c_void_p(out.ctypes.data), self.BFLOAT16, u32(3), ctypes.c_void_p(x.data.ptr),
+                (u64 * 3)(W, T, B), (u64 * 2)(W * 2, T * W * 2), (u32 * 3)(width, box_rows, 1), (u32 * 3)(1, 1, 1),
+                self.INTERLEAVE_NONE, self.SWIZZLES[2 * width], self.L2_PROMOTION_128B, self.FILL_ZEROS)
+            if status != 0:
+                raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUDA error {status} for {x.shape}")
+            self.maps[key] = out
+        return self.maps[key]
 
 
 class Scratch:
@@ -84,33 +190,6 @@ class Scratch:
 
     def buffers(self):
         return list(self._buffers.values())
-
-
-class Graph:
-    """A CUDA graph: the launches that work() makes, recorded once, then replayed with one launch.
-
-    Recording runs nothing: each kernel, GEMM and copy that work() issues on the recording stream is
-    written down with its arguments (buffer addresses, sizes, scalars). replay() runs them all again, in
-    order, on the GPU, without Python issuing each one. So a replay reads whatever the buffers hold at
-    that moment, and every buffer work() touches must stay where it is for as long as the graph lives.
-
-    The recording stream is a blocking stream, which the default stream (where everything else runs)
-    waits for and which waits for the default stream: a replay starts after the work queued before it
-    and finishes before the work queued after it. Temporaries that work() allocates while recording
-    come from a memory pool of the graph's own, which nothing else draws from, so no later array is
-    given memory that a replay still writes."""
-
-    def __init__(self, work, keep):
-        self.stream, self.pool, self.keep = cupy.cuda.Stream(), cupy.cuda.MemoryPool(), keep
-        with cupy.cuda.using_allocator(self.pool.malloc), self.stream:
-            self.stream.begin_capture()
-            try:
-                work()
-            finally:
-                self.graph = self.stream.end_capture()
-
-    def replay(self):
-        self.graph.launch(self.stream)
 
 
 class Blas:
@@ -151,13 +230,18 @@ class BlasLt:
     itself, so the Linear layers' bias and GELU cost no separate pass over memory (llm.c's gelu_fusion).
 
     lt.matmul(...) computes D = alpha op(A) op(B) + beta D, column-major (m x n), as Blas.gemm. A plan (the
-    operation, the matrix layouts and the algorithm cuBLASLt's heuristic picks) is made once per shape."""
+    operation and the matrix layouts) is made once per shape. cuBLASLt's heuristic ranks up to CANDIDATES
+    algorithms for it, and its first is often not the fastest on this GPU: the first call of a shape (never
+    inside a graph recording: the first call always runs eagerly) times each candidate on the call's own
+    operands and keeps the fastest. The choice is written to a file in CuPy's kernel cache directory, per
+    device and cuBLASLt version, so that every later process makes the same choice and the same bits."""
 
     # enum values from cublasLt.h
     TRANSA, TRANSB, EPILOGUE, BIAS_POINTER, AUX_POINTER, AUX_LD = 3, 4, 7, 8, 11, 12
     EPILOGUES = {"none": 1, "bias": 4, "gelu_aux_bias": 32 | 128 | 4, "dgelu": 64 | 128}
     MAX_WORKSPACE, MIN_ALIGNMENTS = 1, (5, 6, 7, 8)   # preferences: workspace, A, B, C, D alignment in bytes
     WORKSPACE = 32 << 20
+    CANDIDATES, TIMED_RUNS = 8, 3
 
     class Heuristic(ctypes.Structure):   # cublasLtMatmulHeuristicResult_t
         _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
@@ -171,6 +255,15 @@ class BlasLt:
         self.workspace = cupy.empty(self.WORKSPACE, cupy.uint8)
         self.plans = {}
         self.scalars = {v: np.array(v, np.float32) for v in (0.0, 1.0)}
+        version = self.lib.cublasLtGetVersion()
+        device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+        device = (device.decode() if isinstance(device, bytes) else device).replace(" ", "_")
+        cache = pathlib.Path(os.environ.get("CUPY_CACHE_DIR", pathlib.Path.home() / ".cupy" / "kernel_cache"))
+        self.choices_path = cache / f"cublaslt_choices_{device}_{version}.json"
+        try:
+            self.choices = json.loads(self.choices_path.read_text())
+        except (OSError, ValueError):
+            self.choices = {}
 
     @staticmethod
     def _load():
@@ -225,14 +318,39 @@ class BlasLt:
                     "PreferenceSetAttribute")
             for attribute in self._pointers(epilogue):
                 self._set(desc, attribute, ctypes.c_void_p(16))
-            result, found = self.Heuristic(), ctypes.c_int(0)
+            results, found = (self.Heuristic * self.CANDIDATES)(), ctypes.c_int(0)
             self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, layouts[0], layouts[1], layouts[2],
-                                                                layouts[2], preference, 1, ctypes.byref(result),
+                                                                layouts[2], preference, self.CANDIDATES, results,
                                                                 ctypes.byref(found)), "AlgoGetHeuristic")
             if found.value == 0:
                 raise RuntimeError(f"cuBLASLt has no algorithm for the matmul {key}")
-            self.plans[key] = (desc, layouts, result)
+            self.plans[key] = [desc, layouts, list(results[:found.value]), None]   # None: not chosen yet
         return self.plans[key]
+
+    def _choose(self, key, plan, A, B, D, beta):
+        """The fastest candidate algorithm of a plan, on this call's operands: each runs TIMED_RUNS times
+        between CUDA events after one warm-up run. A GEMM that accumulates (beta = 1, the weight gradients)
+        is timed into a scratch copy of its small output, so that the timing adds nothing to it."""
+        desc, layouts, candidates, _ = plan
+        name = repr(key[:10] + (key[10].name, key[11], key[12]))
+        if name not in self.choices or self.choices[name] >= len(candidates):
+            out = D if beta == 0 else cupy.empty_like(D)
+            times = []
+            for algo in candidates:
+                self._run(desc, layouts, algo, A, B, out, 0.0)
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record()
+                for _ in range(self.TIMED_RUNS):
+                    self._run(desc, layouts, algo, A, B, out, 0.0)
+                end.record()
+                end.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(start, end))
+            self.choices[name] = int(np.argmin(times))
+            self.choices_path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.choices_path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(self.choices, indent=0))
+            os.replace(partial, self.choices_path)
+        return candidates[self.choices[name]]
 
     def _pointers(self, epilogue):
         """The pointers an epilogue reads or writes, in the order (bias, aux); the others must stay NULL."""
@@ -243,13 +361,20 @@ class BlasLt:
                aux=None, aux_ld=0):
         """D = op(A) op(B) + beta D, then the epilogue: "bias" adds bias (m), "gelu_aux_bias" adds bias,
         writes the sum to aux and its GELU to D, "dgelu" multiplies by GELU's derivative at aux."""
-        desc, (a_layout, b_layout, d_layout), result = self._plan(
-            (transa, transb, m, n, k, lda, ldb, ldc, A.dtype, B.dtype, D.dtype, epilogue, aux_ld))
+        key = (transa, transb, m, n, k, lda, ldb, ldc, A.dtype, B.dtype, D.dtype, epilogue, aux_ld)
+        plan = self._plan(key)
+        desc, layouts = plan[:2]
         for attribute, array in zip(self._pointers(epilogue), [x for x in (bias, aux) if x is not None]):
             self._set(desc, attribute, ctypes.c_void_p(array.data.ptr))
+        if plan[3] is None:
+            plan[3] = self._choose(key, plan, A, B, D, beta)
+        self._run(desc, layouts, plan[3], A, B, D, beta)
+
+    def _run(self, desc, layouts, algo, A, B, D, beta):
+        a_layout, b_layout, d_layout = layouts
         self._check(self.lib.cublasLtMatmul(
             self.handle, desc, self.scalars[1.0].ctypes.data_as(ctypes.c_void_p), ctypes.c_void_p(A.data.ptr),
             a_layout, ctypes.c_void_p(B.data.ptr), b_layout, self.scalars[beta].ctypes.data_as(ctypes.c_void_p),
-            ctypes.c_void_p(D.data.ptr), d_layout, ctypes.c_void_p(D.data.ptr), d_layout, ctypes.byref(result.algo),
+            ctypes.c_void_p(D.data.ptr), d_layout, ctypes.c_void_p(D.data.ptr), d_layout, ctypes.byref(algo.algo),
             ctypes.c_void_p(self.workspace.data.ptr), ctypes.c_size_t(self.WORKSPACE),
             ctypes.c_void_p(cupy.cuda.get_current_stream().ptr)), "cublasLtMatmul")

@@ -20,10 +20,15 @@ Q, K, V, O, STATS, DO, DQ, DK, DV = range(1, 10)   # the uids that bind each gra
 
 
 class CudnnAttention:
+    name = "cudnn"
+
     def __init__(self):
         self.handle = cudnn.create_handle()
         self.graphs = {}           # (B, T, NH, hs) -> (forward graph, backward graph)
         self.workspace = cupy.empty(0, cupy.uint8)
+
+    def saved_shape(self, B, T, NH):
+        return (B, NH, T), cupy.float32   # the softmax statistics, where flash attention keeps its lse
 
     def _graphs(self, B, T, NH, hs):
         key = (B, T, NH, hs)

@@ -5,21 +5,15 @@ kernel and fp32 accumulation in cuBLAS; AdamW's m, v and master weights, LayerNo
 the losses are fp32. precision="fp32" stores everything in fp32 (matmuls in TF32 when allow_tf32).
 No op synchronizes with the host, and the scratch buffers are allocated once per shape and reused.
 Each launcher sits here beside the math it computes; the compiling, the scratch buffers and the
-cuBLAS calls are in cuda.py.
-
-Attention in bf16 is flash attention (kernels/flash_attention.cu); in fp32 it is the naive attention around
-cuBLAS, which keeps the (T, T) probabilities (see the attention section below).
+cuBLAS calls are in cuda.py, attention in attention.py (one class per algorithm, picked here once),
+CUDA graphs in graphs.py.
 """
-import math
-
 import numpy as np
 import cupy
 
-from .cuda import BF16, BLOCK, FP32, Blas, BlasLt, Graph, Kernels, Scratch, blocks, check_int32, check_packs
-
-FLASH_TILE, FLASH_THREADS = 64, 128   # flash_attention.cu's BQ = BK and its 4 warps
-FLASH_HEAD_SIZES = (16, 32, 64)       # the head sizes its kernels are built for
-LOG2E = 1.4426950408889634
+from .attention import FlashAttention, HopperFlashAttention, NaiveAttention
+from .cuda import BF16, BLOCK, FP32, Blas, BlasLt, Kernels, Scratch, blocks, check_int32, check_packs
+from .graphs import Graph, GraphCache
 
 # dense bf16 tensor-core peaks with fp32 accumulation, by device name; fp32 runs on TF32 units at half
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -29,20 +23,27 @@ class CupyBackend:
     name = "cupy"
     xp = cupy
 
-    def __init__(self, precision="bf16", allow_tf32=True, attention="flash"):
+    def __init__(self, precision="bf16", allow_tf32=True, attention="flash", cuda_graph=False):
         if precision not in ("bf16", "fp32"):
             raise ValueError(f"unknown precision '{precision}': choose bf16 or fp32")
         self.precision = precision
-        self.attention = "naive" if precision == "fp32" else attention
-        if self.attention == "cudnn":
-            from .cudnn_attention import CudnnAttention
-            self.cudnn = CudnnAttention()
         self.dtype = BF16 if precision == "bf16" else FP32
         device = cupy.cuda.Device()
         self.num_sms = device.attributes["MultiProcessorCount"]
-        self.max_shared = device.attributes["MaxSharedMemoryPerBlockOptin"]
         self.kernels, self.scratch = Kernels(), Scratch()
         self.blas, self.lt = Blas(allow_tf32), BlasLt(allow_tf32)
+        if precision == "fp32":   # the checking precision: exact attention
+            self.attention = NaiveAttention(self.kernels, self.scratch, self.blas, self.dtype)
+        elif attention == "cudnn":
+            from .cudnn_attention import CudnnAttention
+            self.attention = CudnnAttention()
+        elif device.compute_capability == "90":   # Hopper: wgmma and the copy engine
+            self.attention = HopperFlashAttention(self.kernels, self.scratch)
+        else:
+            self.attention = FlashAttention(self.kernels, self.scratch)
+        # fp32's attention calls cuBLAS through CuPy, which refuses to be recorded: graphs in bf16 only
+        self.cuda_graph = cuda_graph and precision == "bf16"
+        self.graphs = GraphCache(self._record)
 
     # ---------------------------------------------------------------- arrays
 
@@ -62,15 +63,16 @@ class CupyBackend:
     def copy_in(self, dst, a):
         dst.set(a)
 
-    @property
-    def can_record(self):
-        return self.dtype == BF16
+    def run(self, key, work):
+        if self.cuda_graph:
+            self.graphs.run(key, work)
+        else:
+            work()
 
-    def record(self, work):
-        # what a replay reads and writes must outlive the graph: the scratch buffers of this moment and
-        # cuDNN's workspace are kept with it, in case a later shape replaces them
-        keep = (self.scratch.buffers(), self.cudnn.workspace if self.attention == "cudnn" else None)
-        return Graph(work, keep)
+    def _record(self, work):
+        # what a replay reads and writes must outlive the graph: the scratch buffers of this moment (and
+        # cuDNN's workspace) are kept with it, in case a later shape replaces them
+        return Graph(work, keep=(self.scratch.buffers(), getattr(self.attention, "workspace", None)))
 
     def synchronize(self):
         cupy.cuda.get_current_stream().synchronize()
@@ -85,8 +87,8 @@ class CupyBackend:
                 return bf16 if self.precision == "bf16" else bf16 / 2
         return None
 
-    def _kernel(self, family, name, dtype=None):
-        return self.kernels[family, name, self.dtype if dtype is None else np.dtype(dtype)]
+    def _kernel(self, family, name, dtype=None, **defines):
+        return self.kernels.get(family, name, self.dtype if dtype is None else dtype, **defines)
 
     def _buffer(self, name, shape, dtype=None):
         return self.scratch.get(name, shape, self.dtype if dtype is None else np.dtype(dtype))
@@ -128,31 +130,33 @@ class CupyBackend:
 
     # ---------------------------------------------------------------- layernorm
 
+    LN_WARPS = 8   # warps per block of layernorm_backward
+
     def layernorm_forward(self, out, mean, rstd, inp, w, b):
-        C = inp.shape[-1]
-        N = inp.size // C
-        check_packs((out, inp, w, b), C=C)
-        self._kernel("layernorm", "layernorm_forward")((blocks(N, BLOCK // 32),), (BLOCK,),
-                                                       (out, mean, rstd, inp, w, b, np.int32(N), np.int32(C)))
+        self._layernorm_forward(None, out, mean, rstd, inp, None, w, b)
+
+    def residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, w, b):
+        # residual = inp1 + inp2, out = layernorm(residual): one pass (layernorm.cu)
+        check_packs((residual, inp2), C=inp1.shape[-1])
+        self._layernorm_forward(residual, out, mean, rstd, inp1, inp2, w, b)
+
+    def _layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, w, b):
+        C = inp1.shape[-1]
+        N = inp1.size // C
+        check_packs((out, inp1, w, b), C=C)
+        self._kernel("layernorm", "layernorm_forward", CHANNELS=C, WARPS=self.LN_WARPS)(
+            (blocks(N, BLOCK // 32),), (BLOCK,), (residual, out, mean, rstd, inp1, inp2, w, b, np.int32(N)))
 
     def layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd):
         # dinp += rstd (g - mean(g) - n mean(g n)), n = (x - mean) rstd, g = w dout; dw += sum dout n; db += sum dout
         C = inp.shape[-1]
         N = inp.size // C
         check_packs((dinp, dout, inp, w), C=C)
-        warps = 4
-        shared = warps * 2 * C * 4  # each warp's fp32 dw and db partial sums
-        if shared > self.max_shared:
-            raise ValueError(f"the cupy layernorm backward supports C up to {self.max_shared // (warps * 8)}, got {C}")
-        # 4 blocks per SM: each block writes one partial row, so more blocks cost more than they hide
-        # (8 per SM measured 0.069 ms against 0.050 ms at B=8, T=1024, C=768 on an H200)
-        grid = min(blocks(N, warps), 4 * self.num_sms)
-        kernel = self._kernel("layernorm", "layernorm_backward")
-        if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
-            kernel.max_dynamic_shared_size_bytes = shared
+        # 2 blocks per SM, each holding its rows' dw and db in registers, then writing one partial row
+        grid = min(blocks(N, self.LN_WARPS), 2 * self.num_sms)
         partial = self._buffer("ln_partial", (grid, 2 * C), FP32)
-        kernel((grid,), (32 * warps,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N), np.int32(C)),
-               shared_mem=shared)
+        self._kernel("layernorm", "layernorm_backward", CHANNELS=C, WARPS=self.LN_WARPS)(
+            (grid,), (32 * self.LN_WARPS,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N)))
         self._add_partial_sums(dw, partial, grid, 2 * C)
         self._add_partial_sums(db, partial.reshape(-1)[C:], grid, 2 * C)
 
@@ -197,9 +201,11 @@ class CupyBackend:
         self._weight_gradients(dw, dbias, dout, inp)
 
     def _weight_gradients(self, dw, dbias, dout, inp):
+        # dw^T += inp^T dout; dbias += dout's column sums, by our own kernel (matmul.cu): cuBLASLt's epilogue
+        # for it (BGRADB) made each weight-gradient GEMM slower by more than the kernel takes
         OC, C = dw.shape
         N = inp.size // C
-        self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)   # dw^T += inp^T dout
+        self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)
         if dbias is not None:
             check_packs((dout,), OC=OC)
             pack = 16 // dout.dtype.itemsize
@@ -211,107 +217,16 @@ class CupyBackend:
             self._add_partial_sums(dbias, partial, row_blocks, OC)
 
     # ---------------------------------------------------------------- attention
-    # bf16: flash attention (kernels/flash_attention.cu): it keeps only the output and each row's
-    # log-sum-exp (B, NH, T) in fp32, and the backward recomputes the probabilities tile by tile; or, with
-    # attention="cudnn", cuDNN's fused attention on the same buffers (cudnn_attention.py).
-    # fp32, the checking precision: the naive attention around cuBLAS (kernels/attention.cu), exact to fp32,
-    # which keeps att, the (B, NH, T, T) probabilities.
+    # self.attention, picked once above (attention.py, cudnn_attention.py), does the work
 
     def attention_saved_shape(self, B, T, NH):
-        if self.dtype == BF16:
-            return (B, NH, T), FP32   # lse
-        return (B, NH, T, T), FP32    # att
-
-    def _head_size(self, qkv, NH):
-        hs = qkv.shape[-1] // 3 // NH
-        if self.attention == "flash" and hs not in FLASH_HEAD_SIZES:
-            raise ValueError(f"flash attention is built for head sizes {FLASH_HEAD_SIZES}, got {hs} (C / NH)")
-        return hs
+        return self.attention.saved_shape(B, T, NH)
 
     def attention_forward(self, out, saved, qkv, NH):
-        B, T, _ = qkv.shape
-        hs = self._head_size(qkv, NH)
-        if self.attention == "cudnn":
-            self.cudnn.forward(out, saved, qkv, NH)
-            return
-        if self.dtype == BF16:
-            check_packs((out, qkv), hs=hs)
-            self._kernel("flash_attention", f"flash_forward_hs{hs}")(
-                (blocks(T, FLASH_TILE), B * NH), (FLASH_THREADS,),
-                (out, saved, qkv, np.int32(T), np.int32(NH), np.float32(LOG2E / math.sqrt(hs))))
-            return
-        check_packs((qkv, out, saved), T=T, hs=hs)
-        qkvp = self._buffer("qkvp", (3, B, NH, T, hs))
-        q, k, v = qkvp
-        y = self._buffer("atty", (B, NH, T, hs))
-        self._permute("permute", qkvp, qkv, B, T, 3, NH, hs)
-        # per (b, head): preatt (T, T) = q k^T / sqrt(hs); column-major preatt^T = op_T(k) q^T
-        self.blas.gemm("T", "N", T, T, hs, k, hs, q, hs, saved, T, alpha=1.0 / math.sqrt(hs),
-                       batch=B * NH, stride_a=T * hs, stride_b=T * hs, stride_c=T * T)
-        self._softmax("softmax_forward", saved, rows=B * NH * T, T=T)
-        # y (T, hs) = att v; column-major y^T = v^T att^T
-        self.blas.gemm("N", "N", hs, T, T, v, hs, saved, T, y, hs,
-                       batch=B * NH, stride_a=T * hs, stride_b=T * T, stride_c=T * hs)
-        self._permute("unpermute", out, y, B, T, 1, NH, hs)
+        self.attention.forward(out, saved, qkv, NH)
 
     def attention_backward(self, dqkv, dout, qkv, out, saved, NH):
-        B, T, _ = qkv.shape
-        hs = self._head_size(qkv, NH)
-        scale = 1.0 / math.sqrt(hs)
-        if self.attention == "cudnn":
-            self.cudnn.backward(dqkv, dout, qkv, out, saved, NH)
-            return
-        if self.dtype == BF16:
-            # D = rowsum(dout * out), then dK and dV per key tile, dQ per query tile (deterministic sums)
-            check_packs((dqkv, dout, qkv, out), hs=hs)
-            D = self._buffer("flash_D", (B, NH, T), FP32)
-            self._kernel("flash_attention", f"flash_backward_dot_hs{hs}")(
-                (blocks(B * T * NH * hs // 8),), (BLOCK,), (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))
-            args = (dqkv, dout, qkv, saved, D, np.int32(T), np.int32(NH), np.float32(LOG2E * scale),
-                    np.float32(scale))
-            dkv = self._kernel("flash_attention", f"flash_backward_dkv_hs{hs}")
-            shared = 4 * FLASH_TILE * hs * 2 + 4 * FLASH_TILE * 4   # Q, dO (2 stages each), lse, D
-            if dkv.max_dynamic_shared_size_bytes < shared:
-                dkv.max_dynamic_shared_size_bytes = shared
-            dkv((blocks(T, FLASH_TILE), B * NH), (FLASH_THREADS,), args, shared_mem=shared)
-            self._kernel("flash_attention", f"flash_backward_dq_hs{hs}")(
-                (blocks(T, FLASH_TILE), B * NH), (FLASH_THREADS,), args)
-            return
-        # y = att v: datt = dy v^T, dv = att^T dy; softmax backward gives dpreatt;
-        # preatt = q k^T / sqrt(hs): dq = dpreatt k / sqrt(hs), dk = dpreatt^T q / sqrt(hs)
-        check_packs((qkv, dqkv, dout, saved), T=T, hs=hs)
-        att = saved
-        qkvp = self._buffer("qkvp", (3, B, NH, T, hs))
-        q, k, v = qkvp
-        dqkvp = self._buffer("dqkvp", (3, B, NH, T, hs))
-        dq, dk, dv = dqkvp
-        dy = self._buffer("atty", (B, NH, T, hs))
-        datt = self._buffer("datt", (B, NH, T, T))
-        batched = dict(batch=B * NH)
-        self._permute("permute", qkvp, qkv, B, T, 3, NH, hs)
-        self._permute("permute", dy, dout, B, T, 1, NH, hs)
-        # datt (T, T) = dy v^T; column-major datt^T = op_T(v) dy^T
-        self.blas.gemm("T", "N", T, T, hs, v, hs, dy, hs, datt, T,
-                       stride_a=T * hs, stride_b=T * hs, stride_c=T * T, **batched)
-        # dv (T, hs) = att^T dy; column-major dv^T = dy^T op_T(att^T)
-        self.blas.gemm("N", "T", hs, T, T, dy, hs, att, T, dv, hs,
-                       stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
-        self._softmax("softmax_backward", datt, att, rows=B * NH * T, T=T)
-        # dq (T, hs) = dpreatt k * scale; column-major dq^T = k^T dpreatt^T
-        self.blas.gemm("N", "N", hs, T, T, k, hs, datt, T, dq, hs, alpha=scale,
-                       stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
-        # dk (T, hs) = dpreatt^T q * scale; column-major dk^T = q^T op_T(dpreatt^T)
-        self.blas.gemm("N", "T", hs, T, T, q, hs, datt, T, dk, hs, alpha=scale,
-                       stride_a=T * hs, stride_b=T * T, stride_c=T * hs, **batched)
-        self._permute("unpermute", dqkv, dqkvp, B, T, 3, NH, hs)
-
-    def _permute(self, name, out, inp, B, T, S, NH, hs):
-        pack = 16 // out.dtype.itemsize
-        self._kernel("attention", name)((blocks(out.size // pack),), (BLOCK,),
-                                        (out, inp, np.int32(B), np.int32(T), np.int32(S), np.int32(NH), np.int32(hs)))
-
-    def _softmax(self, name, *args, rows, T):
-        self._kernel("attention", name)((blocks(rows, BLOCK // 32),), (BLOCK,), (*args, np.int32(rows), np.int32(T)))
+        self.attention.backward(dqkv, dout, qkv, out, saved, NH)
 
     # ---------------------------------------------------------------- gelu, residual
 
@@ -326,6 +241,8 @@ class CupyBackend:
 
     # ---------------------------------------------------------------- classifier
 
+    CLASSIFIER_THREADS = 1024
+
     def fused_classifier(self, logits, losses, targets, V, dloss):
         # losses = logsumexp(logits[:V]) - logits[target]; dlogits = (softmax - onehot) * dloss, 0 on V..Vp
         Vp = logits.shape[-1]
@@ -333,9 +250,13 @@ class CupyBackend:
         check_packs((logits,), Vp=Vp)
         check_int32("targets", targets)
         write = dloss is not None
-        self._kernel("classifier", "fused_classifier")(
-            (N,), (1024,), (logits, losses, targets, np.float32(dloss if write else 0.0), np.int32(write),
-                            np.int32(V), np.int32(Vp)))
+        kernel = self._kernel("classifier", "fused_classifier", VP=Vp, THREADS=self.CLASSIFIER_THREADS)
+        shared = self.kernels.value("classifier", "fused_classifier_smem", self.dtype, VP=Vp,
+                                    THREADS=self.CLASSIFIER_THREADS)   # the row, kept between its two passes
+        if kernel.max_dynamic_shared_size_bytes < shared:
+            kernel.max_dynamic_shared_size_bytes = shared
+        kernel((N,), (self.CLASSIFIER_THREADS,), (logits, losses, targets, np.float32(dloss if write else 0.0),
+                                                  np.int32(write), np.int32(V)), shared_mem=shared)
 
     # ---------------------------------------------------------------- optimizer
 

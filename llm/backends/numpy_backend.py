@@ -34,7 +34,10 @@ class NumpyBackend:
     def copy_in(self, dst, a):
         dst[...] = a
 
-    can_record = False   # no CUDA graphs on the CPU
+    cuda_graph = False   # no CUDA graphs on the CPU: run() just runs
+
+    def run(self, key, work):
+        work()
 
     def device_name(self):
         return f"CPU ({self.threads} threads of {cores()} cores, NumPy)"
@@ -55,6 +58,10 @@ class NumpyBackend:
 
     def layernorm_forward(self, out, mean, rstd, inp, w, b):
         out[...], mean[...], rstd[...] = ref.layernorm_forward(inp, w, b)
+
+    def residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, w, b):
+        residual[...] = ref.residual_forward(inp1, inp2)
+        out[...], mean[...], rstd[...] = ref.layernorm_forward(residual, w, b)
 
     def layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd):
         dinp_, dw_, db_ = ref.layernorm_backward(dout, inp, w, mean, rstd)

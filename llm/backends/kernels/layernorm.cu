@@ -1,32 +1,66 @@
 // LayerNorm over the C channels of each of the B*T rows: out = (x - mean) * rstd * w + b, with
-// rstd = 1 / sqrt(var + 1e-5) and the biased variance (divided by C), as llm.c.
+// rstd = 1 / sqrt(var + 1e-5) and the biased variance (divided by C), as llm.c; and its backward.
+//
+// The launcher (cupy_backend.py) compiles this file once per C, passed as CHANNELS, so that a lane can keep
+// its share of a row in registers: the row is read from memory once, not once per pass over it.
 #include "common.cuh"
 
-// One warp per row, 8 rows per 256-thread block. Each lane takes every 32nd pack of the row; the row is
-// read three times (sum, squared deviations, output), and the second and third reads hit the cache.
-extern "C" __global__ void layernorm_forward(floatX* out, float* mean, float* rstd, const floatX* inp,
-                                             const floatX* w, const floatX* b, int N, int C) {
+#ifndef CHANNELS
+#define CHANNELS 768
+#endif
+#ifndef WARPS
+#define WARPS 8        // warps per block of layernorm_backward
+#endif
+constexpr int C = CHANNELS, PACKS = C / PACK, LANE_PACKS = (PACKS + 31) / 32;   // a lane's packs of a row
+static_assert(C % PACK == 0, "the launcher checks that C is a multiple of 8");
+
+// Lane `lane` owns packs lane, lane + 32, ... of every row: channels (lane + 32k) * PACK ... + PACK - 1.
+__device__ __forceinline__ bool owns(int lane, int k) { return (lane + 32 * k) < PACKS; }
+__device__ __forceinline__ int channel(int lane, int k) { return (lane + 32 * k) * PACK; }
+
+// One warp per row, 8 rows per 256-thread block; the lanes hold the row in registers while they take its
+// mean, then its variance, then write it out. With inp2 not null the row is first the residual sum
+// x = inp1 + inp2, which is also written to residual (llm.c's fused_residual_forward): the residual add and
+// the next layernorm in one pass, as the model does between layers.
+extern "C" __global__ void layernorm_forward(floatX* residual, floatX* out, float* mean, float* rstd,
+                                             const floatX* inp1, const floatX* inp2, const floatX* w,
+                                             const floatX* b, int N) {
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
-    const floatX* x = inp + (long long)row * C;
+    const long long offset = (long long)row * C;
+    float x[LANE_PACKS][PACK];
     float sum = 0.0f;
-    for (int c = lane * PACK; c < C; c += 32 * PACK) {
-        const Pack p = load_pack(x + c);
-        for (int i = 0; i < PACK; i++) sum += (float)p.v[i];
+    #pragma unroll
+    for (int k = 0; k < LANE_PACKS; k++) {
+        if (!owns(lane, k)) continue;
+        const Pack p = load_pack(inp1 + offset + channel(lane, k));
+        Pack q;
+        if (inp2) q = load_pack(inp2 + offset + channel(lane, k));
+        #pragma unroll
+        for (int i = 0; i < PACK; i++) {
+            x[k][i] = inp2 ? (float)floatX((float)p.v[i] + (float)q.v[i]) : (float)p.v[i];   // as stored
+            if (inp2) q.v[i] = floatX(x[k][i]);
+            sum += x[k][i];
+        }
+        if (inp2) store_pack(residual + offset + channel(lane, k), q);
     }
     const float m = warp_sum(sum) / C;
     float sq = 0.0f;
-    for (int c = lane * PACK; c < C; c += 32 * PACK) {
-        const Pack p = load_pack(x + c);
-        for (int i = 0; i < PACK; i++) sq += ((float)p.v[i] - m) * ((float)p.v[i] - m);
-    }
+    #pragma unroll
+    for (int k = 0; k < LANE_PACKS; k++)
+        if (owns(lane, k))
+            #pragma unroll
+            for (int i = 0; i < PACK; i++) sq += (x[k][i] - m) * (x[k][i] - m);
     const float s = rsqrtf(warp_sum(sq) / C + 1e-5f);
-    floatX* o = out + (long long)row * C;
-    for (int c = lane * PACK; c < C; c += 32 * PACK) {
-        const Pack p = load_pack(x + c), pw = load_pack(w + c), pb = load_pack(b + c);
+    #pragma unroll
+    for (int k = 0; k < LANE_PACKS; k++) {
+        if (!owns(lane, k)) continue;
+        const int c = channel(lane, k);
+        const Pack pw = load_pack(w + c), pb = load_pack(b + c);
         Pack r;
-        for (int i = 0; i < PACK; i++) r.v[i] = floatX(((float)p.v[i] - m) * s * (float)pw.v[i] + (float)pb.v[i]);
-        store_pack(o + c, r);
+        #pragma unroll
+        for (int i = 0; i < PACK; i++) r.v[i] = floatX((x[k][i] - m) * s * (float)pw.v[i] + (float)pb.v[i]);
+        store_pack(out + offset + c, r);
     }
     if (lane == 0) {
         mean[row] = m;
@@ -36,52 +70,70 @@ extern "C" __global__ void layernorm_forward(floatX* out, float* mean, float* rs
 
 // With n = (x - mean) * rstd and g = w * dout:
 //   dinp += rstd * (g - mean(g) - n * mean(g * n)),  dw += sum over rows of dout * n,  db += sum of dout.
-// One warp per row (4 warps per block); block k's warps take rows 4k + warp, stepping by 4 * gridDim.x.
-// Each warp adds its rows' dw and db terms into its own slice of shared memory: its lanes own disjoint
-// channels, so there are no races, and the slice is laid out [i][pack] so the lanes hit distinct banks.
-// At the end the block adds its warps' slices in warp order and writes one row of `partial`
-// (gridDim.x, 2C: dw then db); add_partial_sums (reduce.cu) then adds the rows in order into dw and db.
-// No atomics anywhere, so the sums are the same on every run.
-extern "C" __global__ void layernorm_backward(floatX* dinp, float* partial, const floatX* dout,
-                                              const floatX* inp, const floatX* w, const float* mean,
-                                              const float* rstd, int N, int C) {
-    extern __shared__ float slices[];  // (warps, 2, PACK, C / PACK)
-    const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int packs = C / PACK;
-    float* dw_acc = slices + warp * 2 * C;
-    float* db_acc = dw_acc + C;
-    for (int c = lane; c < 2 * C; c += 32) dw_acc[c] = 0.0f;
-    __syncwarp();
-    for (int row = blockIdx.x * warps + warp; row < N; row += gridDim.x * warps) {
+// One warp per row at a time: warp `warp` of block k takes rows k * WARPS + warp, stepping by gridDim.x *
+// WARPS. A lane loads its share of the row's x and dout once, into registers, and keeps its channels' dw
+// and db sums in registers across every row it visits. At the end the warps add theirs into shared memory
+// one after the other, in warp order, and the block writes one row of `partial` (gridDim.x, 2C: dw then
+// db); add_partial_sums (reduce.cu) then adds the rows in order into dw and db. No atomics anywhere, so
+// the sums are the same on every run.
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+layernorm_backward(floatX* dinp, float* partial, const floatX* dout, const floatX* inp, const floatX* w,
+                   const float* mean, const float* rstd, int N) {
+    __shared__ float block_sums[2 * C];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float dw[LANE_PACKS][PACK] = {}, db[LANE_PACKS][PACK] = {};
+    for (int row = blockIdx.x * WARPS + warp; row < N; row += gridDim.x * WARPS) {
         const long long offset = (long long)row * C;
+        Pack px[LANE_PACKS], pd[LANE_PACKS];
+        #pragma unroll
+        for (int k = 0; k < LANE_PACKS; k++)
+            if (owns(lane, k)) {
+                px[k] = load_pack(inp + offset + channel(lane, k));
+                pd[k] = load_pack(dout + offset + channel(lane, k));
+            }
         const float m = mean[row], s = rstd[row];
         float sum_g = 0.0f, sum_gn = 0.0f;
-        for (int c = lane * PACK; c < C; c += 32 * PACK) {
-            const Pack px = load_pack(inp + offset + c), pd = load_pack(dout + offset + c), pw = load_pack(w + c);
+        #pragma unroll
+        for (int k = 0; k < LANE_PACKS; k++) {
+            if (!owns(lane, k)) continue;
+            const Pack pw = load_pack(w + channel(lane, k));
+            #pragma unroll
             for (int i = 0; i < PACK; i++) {
-                const float g = (float)pw.v[i] * (float)pd.v[i];
+                const float g = (float)pw.v[i] * (float)pd[k].v[i];
                 sum_g += g;
-                sum_gn += g * ((float)px.v[i] - m) * s;
+                sum_gn += g * ((float)px[k].v[i] - m) * s;
             }
         }
         const float mean_g = warp_sum(sum_g) / C, mean_gn = warp_sum(sum_gn) / C;
-        for (int c = lane * PACK; c < C; c += 32 * PACK) {
-            const Pack px = load_pack(inp + offset + c), pd = load_pack(dout + offset + c), pw = load_pack(w + c);
+        #pragma unroll
+        for (int k = 0; k < LANE_PACKS; k++) {
+            if (!owns(lane, k)) continue;
+            const int c = channel(lane, k);
+            const Pack pw = load_pack(w + c);
             Pack dx = load_pack(dinp + offset + c);
+            #pragma unroll
             for (int i = 0; i < PACK; i++) {
-                const float n = ((float)px.v[i] - m) * s, d = (float)pd.v[i];
+                const float n = ((float)px[k].v[i] - m) * s, d = (float)pd[k].v[i];
                 dx.v[i] = floatX((float)dx.v[i] + s * ((float)pw.v[i] * d - mean_g - n * mean_gn));
-                dw_acc[i * packs + c / PACK] += d * n;
-                db_acc[i * packs + c / PACK] += d;
+                dw[k][i] += d * n;
+                db[k][i] += d;
             }
             store_pack(dinp + offset + c, dx);
         }
     }
+    for (int j = threadIdx.x; j < 2 * C; j += blockDim.x) block_sums[j] = 0.0f;
     __syncthreads();
-    for (int j = threadIdx.x; j < 2 * C; j += blockDim.x) {
-        const int half = j / C, ch = j % C;  // half 0 is dw, 1 is db; channel ch sits at [ch % PACK][ch / PACK]
-        float acc = 0.0f;
-        for (int k = 0; k < warps; k++) acc += slices[k * 2 * C + half * C + (ch % PACK) * packs + ch / PACK];
-        partial[(long long)blockIdx.x * 2 * C + j] = acc;
+    for (int turn = 0; turn < WARPS; turn++) {   // warp by warp: a fixed order of additions
+        if (warp == turn)
+            #pragma unroll
+            for (int k = 0; k < LANE_PACKS; k++)
+                if (owns(lane, k))
+                    #pragma unroll
+                    for (int i = 0; i < PACK; i++) {
+                        block_sums[channel(lane, k) + i] += dw[k][i];
+                        block_sums[C + channel(lane, k) + i] += db[k][i];
+                    }
+        __syncthreads();
     }
+    for (int j = threadIdx.x; j < 2 * C; j += blockDim.x) partial[(long long)blockIdx.x * 2 * C + j] = block_sums[j];
 }
