@@ -21,7 +21,7 @@ from llm.config import GPT2Config
 from llm.launch import Parser
 from llm.layout import PARAM_NAMES, param_offsets, tensor_at
 from llm.model import GPT2
-from llm.zero import ZeroOptimizer
+from llm.zero import ZeroOptimizer, padded_size
 
 IMG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "img")
 # small enough to see every tensor and every element of the padding: P = 592, which 3 does not divide
@@ -39,9 +39,9 @@ class RankOnly:
 
 def shards(config, world_size):
     """[(lo, hi, [(lo, hi, decay) in flat coordinates])] per rank, from ZeroOptimizer as -z 1 builds it."""
-    out = []
+    out, flat_size = [], padded_size(config.num_parameters, world_size, zero_stage=1)
     for rank in range(world_size):
-        model = GPT2(config, get_backend("numpy"))
+        model = GPT2(config, get_backend("numpy"), flat_size=flat_size)
         optimizer = ZeroOptimizer(model, RankOnly(rank, world_size), zero_stage=1, weight_decay=0.1)
         segments = [(optimizer.lo + lo, optimizer.lo + hi, decay) for lo, hi, decay in optimizer.segments]
         out.append((optimizer.lo, optimizer.hi, segments))

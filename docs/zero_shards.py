@@ -14,7 +14,7 @@ from llm.comm import make_comm
 from llm.config import GPT2Config
 from llm.layout import tensor_at
 from llm.model import GPT2
-from llm.zero import ZeroOptimizer
+from llm.zero import ZeroOptimizer, padded_size
 
 
 def owned(optimizer, config):
@@ -32,7 +32,8 @@ def main():
     comm = make_comm()
     descriptor = sys.argv[1] if len(sys.argv) > 1 else "d2c64h4"
     config = GPT2Config.from_descriptor(descriptor)
-    model = GPT2(config, get_backend("numpy"))
+    flat_size = padded_size(config.num_parameters, comm.world_size, zero_stage=1)   # equal shards
+    model = GPT2(config, get_backend("numpy"), flat_size=flat_size)
     optimizer = ZeroOptimizer(model, comm, zero_stage=1, weight_decay=0.1)
     text = owned(optimizer, config)
     texts = comm.comm.gather(text, root=0) if comm.world_size > 1 else [text]

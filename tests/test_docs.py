@@ -50,9 +50,11 @@ def read(path):
 
 
 def references(path):
-    """[(file, name or None)] cited in a page; a file relative to the repository's root."""
+    """[(file, name or None)] cited in a page; a file relative to the repository's root. A bare path counts
+    when it starts in one of the repository's folders (llm.c's `dev/eval/...` is another repository's)."""
     text = read(path)
-    cited = [(file, name or None) for file, name in REFERENCE.findall(text) if "/" in file or name]
+    cited = [(file, name or None) for file, name in REFERENCE.findall(text)
+             if name or "/" in file and os.path.isdir(os.path.join(REPO, file.split("/")[0]))]
     for link in LINK.findall(text):
         target = os.path.normpath(os.path.join(os.path.dirname(path), link))
         cited.append((os.path.relpath(target, REPO), None))
