@@ -26,7 +26,7 @@ import re
 import numpy as np
 
 from llm.config import GPT2_EOT, ConfigError, GPT2Config
-from llm.layout import param_offsets
+from llm.layout import tensor_at
 
 HEADER_INTS = 256
 HEADER_BYTES = 4 * HEADER_INTS
@@ -259,9 +259,7 @@ def read_model(path):
         params = np.fromfile(f, dtype=MODEL_DTYPES[version], count=n)
     if version == MODEL_VERSION_BF16:
         params = bf16_bits_to_float32(params)
-    offsets = param_offsets(config)
-    check_finite(path, params, "the model",
-                 lambda i: "in " + next(name for name, (offset, size) in offsets.items() if i < offset + size))
+    check_finite(path, params, "the model", lambda i: "in " + tensor_at(config, i))
     return config, params, version
 
 

@@ -37,6 +37,12 @@ def param_offsets(config):
     return out
 
 
+def tensor_at(config, index):
+    """The name of the tensor that holds flat element `index`, or None past num_parameters (the padding)."""
+    offsets = param_offsets(config).items()
+    return next((name for name, (offset, size) in offsets if index < offset + size), None)
+
+
 class ParamViews:
     """Named views into one flat buffer: views.qkvw is the (L, 3C, C) slice of `flat`.
 

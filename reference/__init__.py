@@ -8,7 +8,8 @@ from .adamw import adamw_update
 from .attention import attention_backward, attention_forward
 from .crossentropy import crossentropy_backward, crossentropy_forward
 from .encoder import encoder_backward, encoder_forward
-from .flash_attention import flash_attention_backward, flash_attention_forward
+from .flash_attention import (flash_backward, flash_backward_dkv, flash_backward_dot, flash_backward_dq,
+                              flash_forward)
 from .gelu import gelu_backward, gelu_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .matmul import matmul_backward, matmul_forward

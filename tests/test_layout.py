@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from llm.config import ConfigError, GPT2Config
-from llm.layout import PARAM_NAMES, ParamViews, decay_segments, param_offsets
+from llm.layout import PARAM_NAMES, ParamViews, decay_segments, param_offsets, tensor_at
 
 
 @pytest.mark.parametrize("desc, n", [("d6", 30357504), ("d12", 124475904), ("d24", 354871296),
@@ -49,3 +49,10 @@ def test_decay_segments_cut_a_shard_at_tensor_boundaries():
                                          (off["ln1b"][0], off["qkvw"][0], False), (off["qkvw"][0], hi, True)]
     P = c.num_parameters
     assert decay_segments(c, P - 2, P + 3) == [(P - 2, P, False), (P, P + 3, False)]   # padding: no decay
+
+
+def test_tensor_at_names_the_first_and_last_element_of_every_tensor_and_none_for_the_padding():
+    c = GPT2Config(max_seq_len=8, vocab_size=10, padded_vocab_size=16, num_layers=2, num_heads=2, channels=4)
+    for name, (offset, size) in param_offsets(c).items():
+        assert tensor_at(c, offset) == tensor_at(c, offset + size - 1) == name
+    assert tensor_at(c, c.num_parameters) is None
