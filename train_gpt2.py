@@ -21,7 +21,7 @@ import traceback  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from llm import formats, report  # noqa: E402
+from llm import formats, memory, report  # noqa: E402
 from llm.backends import BackendError, get_backend, resolve  # noqa: E402
 from llm.checkpoint import CheckpointError, OutputDir  # noqa: E402
 from llm.comm import make_comm  # noqa: E402
@@ -30,7 +30,7 @@ from llm.data import DataError, DataLoader, EvalLoader, score  # noqa: E402
 from llm.formats import FormatError  # noqa: E402
 from llm.model import GPT2  # noqa: E402
 from llm.outliers import DivergedError, UpdateGuard  # noqa: E402
-from llm.sample import generate  # noqa: E402
+from llm.sample import generate, generate_shapes  # noqa: E402
 from llm.schedulers import SCHEDULERS, LRScheduler  # noqa: E402
 from llm.step import train_step  # noqa: E402
 from llm.tokenizer import TokenizerError, TokenizerFile  # noqa: E402
@@ -131,18 +131,26 @@ def parse_args(argv):
     return args
 
 
-def build_model(args, backend, world_size):
+def build_model(args, backend, comm):
     """The model from a checkpoint file or a descriptor (llm.c's random init), its flat buffers sized for
-    the ZeRO stage's shards."""
+    the ZeRO stage's shards; refused in one line, before its parameters are read or drawn, where the run
+    would need more memory than there is."""
     source = args["e"]
     if source.endswith(".bin"):
         if not os.path.exists(source):
             raise FormatError(f"{source}: no such file: {WEIGHTS_HINT}; or train from scratch with -e d12")
-        config, params, _ = formats.read_model(source)
+        config = formats.read_model_config(source)
     else:
         config = GPT2Config.from_descriptor(source)
-        params = init_params(config)
-    flat_size = padded_size(config.num_parameters, world_size, args["z"])
+    B, T = args["b"], args["t"]
+    if T > config.max_seq_len:
+        raise UsageError(f"-t {T} exceeds the model's max_seq_len {config.max_seq_len}")
+    shapes = [(B, T)] + (generate_shapes(config, args["g"], T) if args["s"] and comm.rank == 0 else [])
+    memory.check(memory.needed(backend, config, shapes, args["r"], zero_stage=args["z"],
+                               world_size=comm.world_size, master_weights=bool(args["w"]),
+                               checkpoints=bool(args["n"] or args["y"])), backend.memory_available())
+    params = formats.read_model(source)[1] if source.endswith(".bin") else init_params(config)
+    flat_size = padded_size(config.num_parameters, comm.world_size, args["z"])
     model = GPT2(config, backend, recompute=args["r"], flat_size=flat_size)
     model.load_params(params)
     return model
@@ -192,11 +200,9 @@ def main(argv):
     np.seterr(all="ignore")   # a non-finite loss or norm is the guard's to report, in one line a step
 
     # ---- the model, the data and the optimizer ----
-    model = build_model(args, backend, comm.world_size)
+    model = build_model(args, backend, comm)
     config = model.config
     B, T, N = args["b"], args["t"], comm.world_size
-    if T > config.max_seq_len:
-        raise UsageError(f"-t {T} exceeds the model's max_seq_len {config.max_seq_len}")
     total_batch = args["d"] if args["d"] > 0 else B * T * N
     if total_batch % (B * T * N):
         raise UsageError(f"total batch size -d {total_batch} is not divisible by B*T*N = {B}*{T}*{N} = {B * T * N}")
@@ -284,7 +290,10 @@ if __name__ == "__main__":
         main(argv)
     except UsageError as e:
         launch.stop(f"error: {e} (--help lists the flags)")
-    except (BackendError, CheckpointError, ConfigError, DataError, DivergedError, FormatError, TokenizerError) as e:
+    except (BackendError, CheckpointError, ConfigError, DataError, DivergedError, FormatError, TokenizerError,
+            memory.NotEnoughMemory) as e:
         launch.stop(f"error: {e}")
+    except MemoryError as e:   # the allocator's own (NumPy's, CuPy's): the count above missed something
+        launch.stop(f"error: {memory.out_of_memory(e)}")
     except Exception:
         launch.stop(traceback.format_exc().rstrip())   # a bug: its traceback is the report; every rank stops

@@ -23,7 +23,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run from a checkout
 from llm.backends import BackendError, get_backend  # noqa: E402
 from llm.comm import SingleComm  # noqa: E402
-from llm.config import GPT2Config  # noqa: E402
+from llm import memory  # noqa: E402
+from llm.config import ConfigError, GPT2Config  # noqa: E402
 from llm.launch import Parser  # noqa: E402
 from llm.model import GPT2  # noqa: E402
 from llm.outliers import UpdateGuard  # noqa: E402
@@ -37,6 +38,7 @@ OPS = ("encoder_forward", "encoder_backward", "layernorm_forward", "residual_lay
        "attention_forward", "attention_backward", "gelu_forward", "gelu_backward", "residual_forward",
        "fused_classifier", "adamw", "sumsq")
 DEFAULT_BT = {"numpy": (4, 64), "cupy": (64, 1024)}
+ADVICE = "lower -b, use -r 2, or a smaller --model"   # when a step does not fit
 
 
 class OpTimer:
@@ -100,9 +102,19 @@ def main():
                               cuda_graph=bool(args.cuda_graph))
     except BackendError as e:   # no GPU, no cupy: one line, as the other commands
         sys.exit(f"error: {e}")
-    gpu = backend.name == "cupy"
     B, T = args.b or DEFAULT_BT[backend.name][0], args.t or DEFAULT_BT[backend.name][1]
-    config = GPT2Config.from_descriptor(args.model)
+    try:
+        config = GPT2Config.from_descriptor(args.model)
+        memory.check(memory.needed(backend, config, [(B, T)], args.r), backend.memory_available(), ADVICE)
+        bench(args, backend, config, B, T)
+    except (ConfigError, memory.NotEnoughMemory) as e:
+        sys.exit(f"error: {e}")
+    except MemoryError as e:
+        sys.exit(f"error: {memory.out_of_memory(e, ADVICE)}")
+
+
+def bench(args, backend, config, B, T):
+    gpu = backend.name == "cupy"
     model = GPT2(config, backend, recompute=args.r)
     if config.num_parameters < 400_000_000:
         model.load_params(init_params(config))

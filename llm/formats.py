@@ -244,15 +244,25 @@ def write_model(path, config, params, version=MODEL_VERSION_FP32):
             _write_array(f, params, "<f4")
 
 
+def _model_config(path, header):
+    maxT, V, L, NH, C, Vp = (int(s) for s in header[2:8])
+    try:
+        return GPT2Config(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp, num_layers=L, num_heads=NH,
+                          channels=C)
+    except ConfigError as e:
+        raise FormatError(f"{path}: header describes an impossible model: {e}") from None
+
+
+def read_model_config(path):
+    """The config in a model file's header, without reading its parameters (to count the memory first)."""
+    with open_llmc(path, MODEL_MAGIC, MODEL_VERSIONS) as (_, header, _):
+        return _model_config(path, header)
+
+
 def read_model(path):
     """-> (config, params, version); params is float32 (num_parameters,) whatever the file's version."""
     with open_llmc(path, MODEL_MAGIC, MODEL_VERSIONS) as (f, header, payload_bytes):
-        maxT, V, L, NH, C, Vp = (int(s) for s in header[2:8])
-        try:
-            config = GPT2Config(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp,
-                                num_layers=L, num_heads=NH, channels=C)
-        except ConfigError as e:
-            raise FormatError(f"{path}: header describes an impossible model: {e}") from None
+        config = _model_config(path, header)
         version = int(header[1])
         n = config.num_parameters
         check_payload_size(path, payload_bytes, n * MODEL_DTYPES[version].itemsize, f"{n} parameters")

@@ -35,42 +35,48 @@ class Activations:
       ln (C)        ln1 or ln2 of the current layer, when they are recomputed
     as in llm.c, whose "output" buffer serves the same turns."""
 
-    def __init__(self, backend, config, B, T, recompute):
-        xp, dt, f32 = backend.xp, backend.dtype, np.float32
+    @staticmethod
+    def buffers(backend, config, B, T, recompute):
+        """name -> (shape, dtype) of every buffer allocated, None for one that recompute drops. The memory
+        estimate (llm/memory.py) sums these same shapes, so that it and the allocation cannot disagree."""
+        dt, f32 = backend.dtype, np.float32
         L, C, Vp, NH = config.num_layers, config.channels, config.padded_vocab_size, config.num_heads
-        allocations = []
-
-        def alloc(shape, dtype=dt):
-            allocations.append(xp.empty(shape, dtype))
-            return allocations[-1]
-
         att_shape, att_dtype = backend.attention_saved_shape(B, T, NH)
-        self.encoded = alloc((B, T, C))
-        self.ln1 = alloc((L, B, T, C)) if recompute < 2 else None
-        self.ln1_mean, self.ln1_rstd = alloc((L, B, T), f32), alloc((L, B, T), f32)
-        self.qkv = alloc((L, B, T, 3 * C))
-        self.atty = alloc((L, B, T, C))
-        self.att = alloc((L,) + tuple(att_shape), att_dtype)   # what attention keeps for its backward
-        self.residual2 = alloc((L, B, T, C))
-        self.ln2 = alloc((L, B, T, C)) if recompute < 2 else None
-        self.ln2_mean, self.ln2_rstd = alloc((L, B, T), f32), alloc((L, B, T), f32)
-        self.fch = alloc((L, B, T, 4 * C))
-        self.fch_gelu = alloc((L, B, T, 4 * C)) if recompute < 1 else None
-        self.residual3 = alloc((L, B, T, C))
-        self.lnf = alloc((B, T, C))
-        self.lnf_mean, self.lnf_rstd = alloc((B, T), f32), alloc((B, T), f32)
-        self.inputs, self.targets = alloc((B, T), np.int32), alloc((B, T), np.int32)   # token ids, copied in
-        self.losses = alloc((B, T), f32)
-        self.dresidual = alloc((B, T, C))   # the residual stream's gradient, carried down the layers
-        self.dln = alloc((B, T, C))         # the gradient at a layernorm's output
-        scratch = alloc(B * T * max(Vp, 13 * C))
+        return {
+            "encoded": ((B, T, C), dt),
+            "ln1": ((L, B, T, C), dt) if recompute < 2 else None,
+            "ln1_mean": ((L, B, T), f32), "ln1_rstd": ((L, B, T), f32),
+            "qkv": ((L, B, T, 3 * C), dt),
+            "atty": ((L, B, T, C), dt),
+            "att": ((L,) + tuple(att_shape), att_dtype),   # what attention keeps for its backward
+            "residual2": ((L, B, T, C), dt),
+            "ln2": ((L, B, T, C), dt) if recompute < 2 else None,
+            "ln2_mean": ((L, B, T), f32), "ln2_rstd": ((L, B, T), f32),
+            "fch": ((L, B, T, 4 * C), dt),
+            "fch_gelu": ((L, B, T, 4 * C), dt) if recompute < 1 else None,
+            "residual3": ((L, B, T, C), dt),
+            "lnf": ((B, T, C), dt),
+            "lnf_mean": ((B, T), f32), "lnf_rstd": ((B, T), f32),
+            "inputs": ((B, T), np.int32), "targets": ((B, T), np.int32),   # token ids, copied in
+            "losses": ((B, T), f32),
+            "dresidual": ((B, T, C), dt),   # the residual stream's gradient, carried down the layers
+            "dln": ((B, T, C), dt),         # the gradient at a layernorm's output
+            "scratch": ((B * T * max(Vp, 13 * C),), dt),
+        }
+
+    def __init__(self, backend, config, B, T, recompute):
+        C, Vp = config.channels, config.padded_vocab_size
+        buffers = self.buffers(backend, config, B, T, recompute)
+        for name, spec in buffers.items():
+            setattr(self, name, None if spec is None else backend.xp.empty(*spec))
+        self.nbytes = sum(getattr(self, name).nbytes for name, spec in buffers.items() if spec is not None)
+        scratch = self.scratch
         self.logits = scratch[:B * T * Vp].reshape(B, T, Vp)   # after a training backward: dlogits
 
         def place(first, width):   # `width` channels per position, `first` B*T*C-sized units in
             return scratch[first * B * T * C:(first * C + width) * B * T].reshape(B, T, width)
         self.proj = self.datty = place(0, C)
         self.dqkv, self.dfch, self.gelu, self.ln = place(1, 3 * C), place(4, 4 * C), place(8, 4 * C), place(12, C)
-        self.nbytes = sum(a.nbytes for a in allocations)
 
     def ln1_of(self, l):
         return self.ln if self.ln1 is None else self.ln1[l]
@@ -97,12 +103,16 @@ class GPT2:
         if flat_size < P:
             raise ValueError(f"flat_size {flat_size} is less than the model's {P} parameters")
         self.config, self.backend, self.recompute = config, backend, recompute
-        self.params_flat = backend.xp.zeros(flat_size, backend.dtype)
-        self.grads_flat = backend.xp.zeros(flat_size, backend.dtype)
+        self.params_flat, self.grads_flat = (backend.xp.zeros(*s) for s in self.buffers(backend, flat_size))
         self.params = ParamViews(self.params_flat[:P], config)
         self.grads = ParamViews(self.grads_flat[:P], config)
         self._acts = {}        # (B, T) -> Activations
         self._pending = None   # the activations of the last forward, which backward starts from
+
+    @staticmethod
+    def buffers(backend, flat_size):
+        """(shape, dtype) of params_flat and grads_flat, for __init__ and the estimate (as Activations')."""
+        return [((flat_size,), backend.dtype)] * 2
 
     # ---- parameters in and out (host float32, the checkpoint's layout) ----
     def load_params(self, flat):

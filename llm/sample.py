@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from llm import formats
+from llm import formats, memory
 from llm.backends import BackendError, get_backend, resolve
 from llm.checkpoint import CheckpointError, find_model
 from llm.config import WEIGHTS_HINT, ConfigError
@@ -26,6 +26,7 @@ from llm.tokenizer import Tokenizer, TokenizerError, TokenizerFile
 MASK64 = (1 << 64) - 1
 SEED = 1337           # llm.c's sampler seed, reset for every sample
 CHUNK = 256           # forward windows are padded to multiples of this (or of max_T when smaller)
+ADVICE = "sample on a machine (or a GPU: --backend cupy) with more memory"   # when the model does not fit
 
 
 class Rng:
@@ -73,24 +74,44 @@ def sample(model, context, n, max_T, rng, temperature=1.0, top_k=0):
     if len(context) + n > max_T:
         raise ValueError(f"{len(context)} tokens of context and {n} new tokens exceed the window of {max_T}")
     V = model.config.vocab_size
-    chunk = min(max_T, CHUNK)
     tokens = list(context)
     for _ in range(n):
         t = len(tokens)
-        window = np.full((1, min(-(-t // chunk) * chunk, max_T)), context[0], np.int32)
+        window = np.full((1, window_length(t, max_T)), context[0], np.int32)
         window[0, :t] = tokens
         row = model.backend.to_numpy(model.forward(window)[0, t - 1, :V]).astype(np.float32)
         tokens.append(pick(row, rng.f32(), temperature, top_k))
     return tokens[len(context):]
 
 
-def generate(model, eot, gen_tokens, max_T):
-    """llm.c's sample during training: gen_tokens - 1 tokens after an EOT, coins from seed 1337.
+def window_length(t, max_T):
+    """The forward's length after t tokens: t padded to a multiple of min(max_T, CHUNK), at most max_T."""
+    chunk = min(max_T, CHUNK)
+    return min(-(-t // chunk) * chunk, max_T)
 
-    The sequence, EOT included, is cut to max_T tokens (the training T, at most the model's max_seq_len),
-    so that a huge -g is a short sample and not hours of forwards."""
-    max_T = min(max_T, model.config.max_seq_len)
-    return sample(model, [eot], max(min(gen_tokens, max_T) - 1, 0), max_T, Rng(SEED))
+
+def sample_shapes(context_length, n, max_T):
+    """The (B, T) of every forward that sample() runs, for the memory estimate (llm/memory.py)."""
+    return sorted({(1, window_length(t, max_T)) for t in range(context_length, context_length + n)})
+
+
+def _generate_length(config, gen_tokens, max_T):
+    """generate()'s (new tokens, window): the sequence, EOT included, cut to max_T tokens (the training T, at
+    most the model's max_seq_len), so that a huge -g is a short sample and not hours of forwards."""
+    max_T = min(max_T, config.max_seq_len)
+    return max(min(gen_tokens, max_T) - 1, 0), max_T
+
+
+def generate(model, eot, gen_tokens, max_T):
+    """llm.c's sample during training: gen_tokens - 1 tokens after an EOT, coins from seed 1337."""
+    n, max_T = _generate_length(model.config, gen_tokens, max_T)
+    return sample(model, [eot], n, max_T, Rng(SEED))
+
+
+def generate_shapes(config, gen_tokens, max_T):
+    """The (B, T) of every forward that generate() runs."""
+    n, max_T = _generate_length(config, gen_tokens, max_T)
+    return sample_shapes(1, n, max_T)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,11 +158,12 @@ def check_args(args):
 def main(argv):
     args = arguments().parse_args(argv)
     check_args(args)
-    backend = resolve(args.backend)   # an unknown name fails here, before any file is read
+    choice = resolve(args.backend)   # an unknown name fails here, before any file is read
     if not os.path.exists(args.e):
         raise UsageError(f"{args.e}: no such file: {WEIGHTS_HINT}; `make train` writes "
                          f"log_train/model_00000250.bin")
-    config, params, _ = formats.read_model(find_model(args.e))
+    path = find_model(args.e)
+    config = formats.read_model_config(path)   # the parameters are read once the memory is known to suffice
     if not os.path.exists(args.tokenizer):
         raise UsageError(f"{args.tokenizer}: no such file: `make data` or python data/gpt2.py writes it "
                          f"(or pass --tokenizer PATH)")
@@ -155,8 +177,11 @@ def main(argv):
         raise UsageError(f"-g {args.n}: EOT, the prompt's {len(prompt)} tokens and the new tokens must fit "
                          f"the model's max_seq_len {config.max_seq_len}: "
                          + (f"ask for -g {room} or fewer" if room > 0 else "shorten the prompt"))
-    model = GPT2(config, get_backend(*backend, cuda_graph=True))   # one launch per token on the GPU
-    model.load_params(params)
+    backend = get_backend(*choice, cuda_graph=True)   # one launch per token on the GPU
+    shapes = sample_shapes(len(context), args.n, config.max_seq_len)
+    memory.check(memory.needed(backend, config, shapes, train=False), backend.memory_available(), ADVICE)
+    model = GPT2(config, backend)
+    model.load_params(formats.read_model(path)[1])
     tokens = sample(model, context, args.n, config.max_seq_len, Rng(args.seed), args.temperature, args.top_k)
     print(tokenizer.decode(prompt + tokens))
 
@@ -164,6 +189,10 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (UsageError, formats.FormatError, TokenizerError, BackendError, ConfigError, CheckpointError) as e:
+    except (UsageError, formats.FormatError, TokenizerError, BackendError, ConfigError, CheckpointError,
+            memory.NotEnoughMemory) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except MemoryError as e:
+        print(f"error: {memory.out_of_memory(e, ADVICE)}", file=sys.stderr)
         sys.exit(1)

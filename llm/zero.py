@@ -58,16 +58,22 @@ class ZeroOptimizer:
             raise ValueError(f"ZeRO stage {zero_stage} over {world_size} ranks needs flat buffers of {size} "
                              f"elements, the model has {model.params_flat.size}: build it with "
                              f"GPT2(..., flat_size=padded_size(P, world_size, zero_stage))")
-        self.shard_size = size // world_size if zero_stage == 1 else size
+        buffers = self.buffers(be, size, world_size, zero_stage, master_weights)
+        self.m, self.v, self.master = (None if spec is None else be.xp.zeros(*spec) for spec in buffers)
+        self.shard_size = self.m.size
         self.lo = comm.rank * self.shard_size if zero_stage == 1 else 0
         self.hi = self.lo + self.shard_size
-        self.m = be.xp.zeros(self.shard_size, np.float32)
-        self.v = be.xp.zeros(self.shard_size, np.float32)
-        narrow = np.dtype(be.dtype).itemsize < 4
-        self.master = be.xp.zeros(self.shard_size, np.float32) if master_weights and narrow else None
         self.master_ready = False
         self.segments = [(lo - self.lo, hi - self.lo, decay)
                          for lo, hi, decay in decay_segments(model.config, self.lo, self.hi)]
+
+    @staticmethod
+    def buffers(backend, flat_size, world_size, zero_stage, master_weights=True):
+        """(shape, dtype) of this rank's m, v and master (None where none is kept), for __init__ and the
+        memory estimate (llm/memory.py) alike: a shard of flat_size / world_size at -z 1, else all of it."""
+        shard = ((flat_size // world_size if zero_stage == 1 else flat_size,), np.float32)
+        narrow = np.dtype(backend.dtype).itemsize < 4
+        return [shard, shard, shard if master_weights and narrow else None]
 
     @property
     def grad_shard(self):

@@ -18,6 +18,10 @@ Attributes
   synchronize() wait for queued device work (no-op on numpy)
   device_name() what the backend computes on, for the printed config
   peak_flops()  the device's dense peak FLOP/s at this precision, for MFU; None where unknown
+  memory_available()   the bytes this rank can still allocate where its arrays live: its share of the host's
+                available memory (numpy), or of the GPU's free memory (cupy); None where unknown
+  scratch_bytes(config, B, T)   the most the ops allocate beyond the model's buffers at (B, T), where known
+                (both for the memory estimate, llm/memory.py)
 
 Forward ops write their outputs. Backward ops OVERWRITE the gradient of their activation input
 (dinp, dqkv) and ACCUMULATE (+=) into parameter gradients (dw, db, dwte, dwpe), as llm.c does, so that

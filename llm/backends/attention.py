@@ -31,13 +31,23 @@ class NaiveAttention:
     def saved_shape(self, B, T, NH):
         return (B, NH, T, T), FP32   # att
 
+    def scratch_shapes(self, B, T, NH, hs):
+        """name -> (shape, dtype) of the scratch that forward and backward take (for them and the memory
+        estimate): q, k, v and their gradients split into heads, the output before its merge, the (T, T)
+        gradient."""
+        return {"qkvp": ((3, B, NH, T, hs), self.dtype), "atty": ((B, NH, T, hs), self.dtype),
+                "dqkvp": ((3, B, NH, T, hs), self.dtype), "datt": ((B, NH, T, T), self.dtype)}
+
+    def _scratch(self, name, B, T, NH, hs):
+        return self.scratch.get(name, *self.scratch_shapes(B, T, NH, hs)[name])
+
     def forward(self, out, att, qkv, NH):
         B, T, C3 = qkv.shape
         hs = C3 // 3 // NH
         check_packs((qkv, out, att), T=T, hs=hs)
-        qkvp = self.scratch.get("qkvp", (3, B, NH, T, hs), self.dtype)
+        qkvp = self._scratch("qkvp", B, T, NH, hs)
         q, k, v = qkvp
-        y = self.scratch.get("atty", (B, NH, T, hs), self.dtype)
+        y = self._scratch("atty", B, T, NH, hs)
         self._permute("permute", qkvp, qkv, B, T, 3, NH, hs)
         # per (b, head): preatt (T, T) = q k^T / sqrt(hs); column-major preatt^T = op_T(k) q^T
         self.blas.gemm("T", "N", T, T, hs, k, hs, q, hs, att, T, alpha=1.0 / math.sqrt(hs),
@@ -55,12 +65,12 @@ class NaiveAttention:
         hs = C3 // 3 // NH
         scale = 1.0 / math.sqrt(hs)
         check_packs((qkv, dqkv, dout, att), T=T, hs=hs)
-        qkvp = self.scratch.get("qkvp", (3, B, NH, T, hs), self.dtype)
+        qkvp = self._scratch("qkvp", B, T, NH, hs)
         q, k, v = qkvp
-        dqkvp = self.scratch.get("dqkvp", (3, B, NH, T, hs), self.dtype)
+        dqkvp = self._scratch("dqkvp", B, T, NH, hs)
         dq, dk, dv = dqkvp
-        dy = self.scratch.get("atty", (B, NH, T, hs), self.dtype)
-        datt = self.scratch.get("datt", (B, NH, T, T), self.dtype)
+        dy = self._scratch("atty", B, T, NH, hs)
+        datt = self._scratch("datt", B, T, NH, hs)
         batched = dict(batch=B * NH)
         self._permute("permute", qkvp, qkv, B, T, 3, NH, hs)
         self._permute("permute", dy, dout, B, T, 1, NH, hs)
@@ -104,6 +114,10 @@ class FlashAttention:
     def saved_shape(self, B, T, NH):
         return (B, NH, T), FP32   # lse
 
+    def scratch_shapes(self, B, T, NH, hs):
+        """name -> (shape, dtype) of the backward's scratch, also the estimate's: D, a float a row."""
+        return {"flash_D": ((B, NH, T), FP32)}
+
     def _kernel(self, name, hs):
         return self.kernels.get("flash_attention", name, BF16, HS=hs, BQ=self.BQ, BK=self.BK, WARPS=self.WARPS)
 
@@ -125,7 +139,7 @@ class FlashAttention:
         B, T, _ = qkv.shape
         hs = self._head_size(qkv, NH)
         check_packs((dqkv, dout, qkv, out), hs=hs)
-        D = self.scratch.get("flash_D", (B, NH, T), FP32)
+        D = self.scratch.get("flash_D", *self.scratch_shapes(B, T, NH, hs)["flash_D"])
         self._kernel("flash_backward_dot", hs)((blocks(B * T * NH * hs // 8),), (BLOCK,),
                                                (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))
         return B, T, hs, D

@@ -30,6 +30,11 @@ class CudnnAttention:
     def saved_shape(self, B, T, NH):
         return (B, NH, T), cupy.float32   # the softmax statistics, where flash attention keeps its lse
 
+    def scratch_shapes(self, B, T, NH, hs):
+        """None of ours: cuDNN sizes its workspace when it plans a shape, which the memory estimate cannot
+        know."""
+        return {}
+
     def _graphs(self, B, T, NH, hs):
         key = (B, T, NH, hs)
         if key not in self.graphs:

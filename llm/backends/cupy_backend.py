@@ -8,9 +8,12 @@ Each launcher sits here beside the math it computes; the compiling, the scratch 
 cuBLAS calls are in cuda.py, attention in attention.py (one class per algorithm, picked here once),
 CUDA graphs in graphs.py.
 """
+import math
+
 import numpy as np
 import cupy
 
+from llm.launch import local_ranks
 from .attention import FlashAttention, HopperFlashAttention, NaiveAttention
 from .cuda import BF16, BLOCK, FP32, Blas, BlasLt, Kernels, Scratch, blocks, check_int32, check_packs
 from .graphs import Graph, GraphCache
@@ -86,6 +89,20 @@ class CupyBackend:
             if key in self.device_name():
                 return bf16 if self.precision == "bf16" else bf16 / 2
         return None
+
+    def memory_available(self):
+        """Free device memory, plus what CuPy's pool holds unused, shared among the ranks that share this GPU
+        (more ranks than GPUs: host-staged MPI)."""
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        sharing = -(-local_ranks() // cupy.cuda.runtime.getDeviceCount())
+        return (free + cupy.get_default_memory_pool().free_bytes()) // sharing
+
+    def scratch_bytes(self, config, B, T):
+        """The attention's scratch at (B, T). Not counted: cuDNN's workspace (unknown until it plans a shape),
+        and the few MiB of the layernorm and bias backward's partial sums."""
+        NH = config.num_heads
+        shapes = self.attention.scratch_shapes(B, T, NH, config.channels // NH).values()
+        return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in shapes)
 
     def _kernel(self, family, name, dtype=None, **defines):
         return self.kernels.get(family, name, self.dtype if dtype is None else dtype, **defines)

@@ -5,14 +5,73 @@ model's buffers: forward outputs and activation gradients are assigned, paramete
 Everything is float32, and the matmuls go to NumPy's BLAS.
 """
 from concurrent.futures import ThreadPoolExecutor
+import os
 
 import numpy as np
 
 import reference as ref
-from llm.launch import cores, threads_per_rank
+from llm.launch import cores, local_ranks, threads_per_rank
 
 CLASSIFIER_ROWS = 16    # positions per classifier slice: 16 x Vp floats of temporaries
 ADAMW_CHUNK = 1 << 18   # elements per AdamW slice: its temporaries stay in cache, not 124M-element arrays
+# the most arrays alive at once inside one op, measured: (B, NH, T, T) arrays in attention (3.3, 4 counted);
+# chunk-sized ones in a thread's AdamW slice; (CLASSIFIER_ROWS, Vp) ones in a thread's classifier slice
+ATTENTION_TEMPORARIES, ADAMW_TEMPORARIES, CLASSIFIER_TEMPORARIES = 4, 7, 2
+CGROUP = "/sys/fs/cgroup"
+# cgroup v2 and v1: (folder, limit file, usage file, the page cache the kernel reclaims before it kills)
+CGROUP_FILES = {2: (CGROUP, "memory.max", "memory.current", "inactive_file"),
+                1: (f"{CGROUP}/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                    "total_inactive_file")}
+
+
+def _number(path, key=None):
+    """The integer in a one-number file, or after `key` on a line of a "key value ..." file; None where
+    there is no such file or line, or no number ("max": no limit)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        return int(text) if key is None else next(int(line.split()[1]) for line in text.splitlines()
+                                                  if line.startswith(key + " "))
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def _cgroup_room():
+    """What the memory cgroups around this process still allow (a Slurm job's --mem, a container's limit,
+    which /proc/meminfo does not show): the least of limit - usage from its own cgroup up to the root;
+    None where no cgroup sets a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    rooms = []
+    for _, controllers, path in entries:
+        if controllers and "memory" not in controllers.split(","):
+            continue
+        folder, limit, usage, cache = CGROUP_FILES[1 if controllers else 2]   # v2 names no controllers
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):   # a limit may be set on any cgroup above this one
+            d = os.path.join(folder, *parts[:depth])
+            lim, used = _number(os.path.join(d, limit)), _number(os.path.join(d, usage))
+            if lim is not None and used is not None:
+                rooms.append(lim - used + (_number(os.path.join(d, "memory.stat"), cache) or 0))
+    return min(rooms, default=None)
+
+
+def host_memory_available():
+    """The bytes this process can still allocate on the host, None where unknown: /proc/meminfo's
+    MemAvailable (os.sysconf's free pages where that file is missing), or less where a cgroup allows less."""
+    available = _number("/proc/meminfo", "MemAvailable:")
+    if available is not None:
+        available *= 1024   # the file counts kB
+    else:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):   # not a name this system knows
+            return None
+    room = _cgroup_room()
+    return available if room is None else max(0, min(available, room))
 
 
 class NumpyBackend:
@@ -47,6 +106,22 @@ class NumpyBackend:
 
     def peak_flops(self):
         return None   # no table of CPU peaks: MFU is not reported on the CPU
+
+    def memory_available(self):
+        """This rank's share of the host's available memory (host_memory_available), None where unknown."""
+        available = host_memory_available()
+        return None if available is None else available // local_ranks()
+
+    def scratch_bytes(self, config, B, T):
+        """The largest temporaries of one op (reference/'s functions return fresh arrays): attention's
+        (B, NH, T, T) arrays, the lm_head's (B, T, Vp) output before it is copied into the logits, a (Vp, C)
+        gradient of wte (the lm_head's and the encoder's) before it is added, or the slices that this
+        rank's threads work on at once in AdamW and in the classifier."""
+        NH, C, Vp, P = config.num_heads, config.channels, config.padded_vocab_size, config.num_parameters
+        adamw = min(self.threads, -(-P // ADAMW_CHUNK)) * ADAMW_TEMPORARIES * min(ADAMW_CHUNK, P)
+        classifier = CLASSIFIER_TEMPORARIES * min(self.threads * CLASSIFIER_ROWS, B * T) * Vp
+        return np.dtype(self.dtype).itemsize * max(ATTENTION_TEMPORARIES * B * NH * T * T, B * T * Vp, Vp * C,
+                                                   adamw, classifier)
 
     def encoder_forward(self, out, inp, wte, wpe):
         out[...] = ref.encoder_forward(inp, wte, wpe)
