@@ -16,11 +16,11 @@ llm.c differs here on purpose: it seeds each rank's shuffle with 42 + rank and l
 sub-slice of every sample, so its data order changes with the number of ranks.
 
 A loader opens every shard once, when it is built, checks it whole, and from then on reads samples from
-those open files (os.pread), never by name again and never through a memory map. A shard that a data
+those open files (os.preadv), never by name again and never through a memory map. A shard that a data
 script prepares anew, written aside and renamed over the old name, leaves the open file, and so the run,
 as it was. A shard truncated or rewritten in place, which a memory map would meet as a SIGBUS, is seen
 at the next read (its size or modification time moved) and stops the run with one line. Copying the
-shards into memory would cost 200 MB for each FineWeb shard of 100M tokens, 20 GB for FineWeb10B's 103.
+shards into memory would cost 200 MB for each FineWeb shard of 100M tokens, 20 GB for sample-10BT's 100.
 """
 import glob
 import math
@@ -57,14 +57,14 @@ class DataLoader:
         self.pattern, self.B, self.T = pattern, B, T
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed = shuffle, seed
-        self.shards = sorted(glob.glob(pattern))
-        if not self.shards:
+        paths = sorted(glob.glob(pattern))
+        if not paths:
             raise DataError(f"no files match -i/-j pattern '{pattern}': {prepare_hint(pattern)}")
         # open and validate every shard now, so that a bad file fails at startup and not hours into a run,
         # and what was validated is what the run reads (the module docstring says why)
-        _room_for_open_files(len(self.shards))
-        self.files = [Shard(path, vocab_size) for path in self.shards]
-        self.shard_samples = np.array([max(f.ntok - 1, 0) // T for f in self.files], dtype=np.int64)
+        _room_for_open_files(len(paths))
+        self.shards = [Shard(path, vocab_size) for path in paths]
+        self.shard_samples = np.array([max(s.ntok - 1, 0) // T for s in self.shards], dtype=np.int64)
         self.num_samples = int(self.shard_samples.sum())   # samples per epoch
         if self.num_samples < world_size * B:
             raise DataError(f"'{pattern}' ({len(self.shards)} shards) has only {self.num_samples} samples "
@@ -115,7 +115,7 @@ class DataLoader:
         sample_order = self._enter_shard(epoch, s)
         i = position - int(starts[k])
         j = i if sample_order is None else int(sample_order[i])
-        return self.files[s].read(j * self.T, self.T + 1)
+        return self.shards[s].read(j * self.T, self.T + 1)
 
     def _shard_order(self, epoch):
         """Epoch's shard order and, for each shard in that order, the stream position of its first sample."""
@@ -148,8 +148,9 @@ class Shard:
         self.path = path
         self.file, self.ntok = formats.open_shard(path)   # FormatError for a bad header or size
         self.stamp = self._stamp()
+        buffer = np.empty(min(self.SCAN_TOKENS, self.ntok), dtype="<u2")
         for first in range(0, self.ntok, self.SCAN_TOKENS):
-            tokens = self.read(first, min(self.SCAN_TOKENS, self.ntok - first))
+            tokens = self.read(first, min(self.SCAN_TOKENS, self.ntok - first), buffer)
             if int(tokens.max()) >= vocab_size:
                 position = first + int(np.argmax(tokens >= vocab_size))
                 raise DataError(f"{path}: token id {int(tokens[position - first])} at position {position} "
@@ -166,20 +167,21 @@ class Shard:
         st = os.fstat(self.file.fileno())
         return st.st_dev, st.st_ino
 
-    def read(self, first, count):
-        """Tokens first..first+count-1 as uint16, from the file validated at start-up."""
-        data = os.pread(self.file.fileno(), 2 * count, formats.HEADER_BYTES + 2 * first)
-        if len(data) != 2 * count or self._stamp() != self.stamp:
-            raise DataError(f"{self.path}: changed while this run reads it (truncated or written in place; "
-                            f"its size and time were {self.stamp[0]} bytes, {self.stamp[1]} ns): restore it, "
-                            f"or write new shards aside and rename them over (as data/*.py do), then -y 1 "
-                            f"resumes from the last checkpoint")
-        return np.frombuffer(data, dtype="<u2")
+    def read(self, first, count, buffer=None):
+        """Tokens first..first+count-1 as uint16 (in `buffer`, if given), from the file opened at start-up."""
+        tokens = np.empty(count, dtype="<u2") if buffer is None else buffer[:count]
+        if os.preadv(self.file.fileno(), [tokens], formats.HEADER_BYTES + 2 * first) != 2 * count or \
+                self._stamp() != self.stamp:
+            raise DataError(f"{self.path}: changed while this run reads it (truncated or written in place "
+                            f"since start-up): restore it, or write new shards aside and rename them over "
+                            f"(as data/*.py do), then -y 1 resumes from the last checkpoint")
+        return tokens
 
 
 def _room_for_open_files(n):
-    """Let this process hold n shards open and 1,024 other files: FineWeb100B has 1,030 shards, and the
-    usual soft limit on open files is 1,024. The soft limit is raised as far as the hard limit allows."""
+    """Let this process hold n shards open and 1,024 other files: FineWeb's sample-100BT makes about 1,000
+    shards, and the usual soft limit on open files is 1,024. The soft limit is raised as far as the hard
+    limit allows."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = n + 1024 if hard == resource.RLIM_INFINITY else min(n + 1024, hard)
     if soft != resource.RLIM_INFINITY and soft < want:
@@ -188,8 +190,8 @@ def _room_for_open_files(n):
 
 def shared_files_warning(train, val):
     """A warning line when the train and val loaders read a file in common (by any name), else None."""
-    val_files = {f.identity for f in val.files}
-    shared = [f.path for f in train.files if f.identity in val_files]
+    val_files = {shard.identity for shard in val.shards}
+    shared = [shard.path for shard in train.shards if shard.identity in val_files]
     if shared:
         return (f"WARNING: the train data (-i) and the val data (-j) share {len(shared)} file(s), {shared[0]}"
                 f"{', ...' if len(shared) > 1 else ''}: the val loss is measured on data the model trains on")

@@ -173,6 +173,21 @@ def test_a_shard_changed_in_place_is_one_line_at_the_next_read(pattern, tmp_path
         loader.next_batch()
 
 
+def test_a_loader_holds_more_shards_open_than_the_soft_limit_on_open_files(tmp_path):
+    """A loader keeps every shard open, and FineWeb's sample-100BT has about 1,000 shards, where the usual
+    soft limit is 1,024 open files: the loader raises the soft limit toward the hard one."""
+    import resource
+    for s in range(80):
+        formats.write_shard(tmp_path / f"many_{s:06d}.bin", np.arange(T + 1, dtype=np.uint16))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    try:
+        assert DataLoader(str(tmp_path / "many_*.bin"), 1, T).num_samples == 80
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= min(80 + 1024, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_train_and_val_data_sharing_a_file_gets_a_warning(pattern, tmp_path):
     train = DataLoader(pattern, 1, T)
     os.symlink(tmp_path / "train_000002.bin", tmp_path / "val.bin")   # the same file by another name
