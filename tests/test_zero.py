@@ -81,6 +81,18 @@ def test_checkpoint_from_two_ranks_resumes_on_one_and_three(shards):
         np.testing.assert_allclose([float(x) for x in step_losses(out)], [float(x) for x in full[4:]], rtol=1e-5)
 
 
+def test_every_rank_falls_back_with_rank_0_past_a_damaged_checkpoint(shards):
+    args = TINY[:2] + ["-b", "3"] + TINY[4:] + data_args() + D + ["-z", "1", "-x", "6", "-n", "2", "-o", "ck"]
+    full = step_losses(run_train(args, cwd=shards, launcher=mpirun(2)).stdout)
+    checkpoint.delete(shards / "ck", 6)
+    with open(checkpoint.state_path(shards / "ck", 4), "r+b") as f:   # one word of m
+        f.seek(5000)
+        f.write(bytes(4))
+    out = run_train(args + ["-y", "1"], cwd=shards, launcher=mpirun(2)).stdout
+    assert "WARNING: skipping the damaged checkpoint at step 4, resuming from step 2: " in out
+    assert "resuming from checkpoint at step 2" in out and step_losses(out) == full[2:]
+
+
 @pytest.mark.parametrize("elsewhere", ["no -o", "another copy of -o"])
 def test_a_rank_that_sees_another_output_dir_stops_every_rank_with_one_line(shards, elsewhere):
     """Rank 0 resumes; rank 1 runs where -o is missing (a node that does not see it: the job once hung
