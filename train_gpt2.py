@@ -26,7 +26,7 @@ from llm.backends import BackendError, get_backend, resolve  # noqa: E402
 from llm.checkpoint import CheckpointError, OutputDir  # noqa: E402
 from llm.comm import make_comm  # noqa: E402
 from llm.config import WEIGHTS_HINT, ConfigError, GPT2Config  # noqa: E402
-from llm.data import DataError, DataLoader, EvalLoader, score  # noqa: E402
+from llm.data import DataError, DataLoader, EvalLoader, score, shared_files_warning  # noqa: E402
 from llm.formats import FormatError  # noqa: E402
 from llm.model import GPT2  # noqa: E402
 from llm.outliers import DivergedError, UpdateGuard  # noqa: E402
@@ -210,6 +210,8 @@ def main(argv):
     train_pattern = args["j"] if args["a"] else args["i"]
     train_loader = DataLoader(train_pattern, B, T, comm.rank, N, shuffle=not args["a"], vocab_size=config.vocab_size)
     val_loader = DataLoader(args["j"], B, T, comm.rank, N, shuffle=False, vocab_size=config.vocab_size)
+    if not args["a"] and (warning := shared_files_warning(train_loader, val_loader)):   # -a 1 trains on -j
+        log0(warning)
     train_steps = args["x"] if args["x"] > 0 else train_loader.tokens_per_epoch // total_batch
     if train_steps == 0:
         raise UsageError(f"one epoch of '{train_pattern}' ({train_loader.tokens_per_epoch} tokens) is less than one "
@@ -258,8 +260,8 @@ def main(argv):
         # a checkpoint, but never at the step a run starts or resumes from: that state is on disk or trivial
         if args["n"] > 0 and step > start_step and (step % args["n"] == 0 or last_step):
             log0(f"Writing checkpoint at step {step}")
-            out.save(step, model, optimizer, train_loader, guard, comm, keep=args["nk"], keep_every=args["nm"],
-                     every=args["n"])
+            out.save(step, model, optimizer, train_loader, guard, comm, keep=args["nk"],
+                     keep_every=args["nm"])
         if last_step:
             break
 

@@ -11,22 +11,36 @@ one state file with the full buffers, so a run can resume with a different numbe
 Every file is written to a temporary name, synced and renamed (formats.atomic_write), so a run killed
 at any moment leaves either a complete checkpoint or one without DONE, which resume ignores.
 
-When a run starts, OutputDir enforces three rules, so that no run mixes its files with another's:
+A checkpoint proves its own bytes: the model and state files record their checksums and the run id
+(formats.py, "Checksums"), and the state also records its model file's checksum. Resuming verifies all
+three, so a bit flipped on disk, a zero-filled file, or a model file of another step or run is found;
+rank 0 then falls back to the newest intact checkpoint, and says which and why in one line. Every other
+rank loads the checkpoint rank 0 chose and confirms it read the same bytes, or every rank stops with one
+line naming the file (a rank that does not see -o would otherwise start from step 0 and hang the job).
+
+When a run starts, OutputDir enforces these rules, so that no run mixes its files with another's:
   - one run at a time: LOCK is held by the writing run (the kernel lets it go when that process ends,
-    even by kill -9), and a second run refuses to start;
-  - a fresh run (no -y 1) refuses a directory that holds checkpoints: they belong to an earlier run, and
-    a later -y 1 would resume that run. Nothing is deleted: resume it, or choose another -o;
-  - temporary files that a killed write left behind are removed.
+    even by kill -9), and a second run refuses to start. Before each write the run checks that LOCK is
+    still the file it locked: if someone deleted it, another run could have taken a new one, so this
+    run stops rather than write beside it;
+  - a fresh run (no -y 1) refuses a directory that holds checkpoints or a non-empty main.log: they belong
+    to an earlier run, and a later -y 1 would resume that run. Nothing is deleted or truncated: resume
+    it, or choose another -o;
+  - the temporary files of checkpoint writes that a killed run left behind are removed (only names this
+    module makes: model_, state_ or DONE_ with the step, then .<pid>.tmp).
 """
 from contextlib import contextmanager, suppress
 import fcntl
 import os
 import re
+import secrets
 import socket
 
 from . import formats
 
-CHECKPOINT_FILE = re.compile(r"(?:model_|state_|DONE_)(\d{8})(?:\.bin)?")
+# the names of a checkpoint's files, and the temporary names formats.atomic_write gives them
+CHECKPOINT_FILE = re.compile(r"(?:model_|state_)(\d{8})\.bin|DONE_(\d{8})")
+TEMPORARY_FILE = re.compile(rf"(?:{CHECKPOINT_FILE.pattern})\.\d+\.tmp")
 
 
 class CheckpointError(ValueError):
@@ -45,12 +59,17 @@ def done_path(out_dir, step):
     return os.path.join(out_dir, f"DONE_{step:08d}")
 
 
+def done_steps(out_dir):
+    """The steps with a DONE file in out_dir, oldest first: the checkpoints that count."""
+    if not os.path.isdir(out_dir):
+        return []
+    names = (CHECKPOINT_FILE.fullmatch(name) for name in os.listdir(out_dir))
+    return sorted(int(m.group(2)) for m in names if m and m.group(2))
+
+
 def latest_step(out_dir):
     """The largest step with a DONE file in out_dir, or None."""
-    if not os.path.isdir(out_dir):
-        return None
-    steps = [int(m.group(1)) for f in os.listdir(out_dir) if (m := re.fullmatch(r"DONE_(\d{8})", f))]
-    return max(steps, default=None)
+    return max(done_steps(out_dir), default=None)
 
 
 def find_model(path):
@@ -63,34 +82,6 @@ def find_model(path):
         raise CheckpointError(f"{path}: a directory without a complete checkpoint (no DONE_%08d file): "
                               f"pass a model .bin, or a run's -o directory")
     return model_path(path, step)
-
-
-def save(out_dir, step, model, optimizer, loader, guard, comm):
-    """Write model, state and DONE for `step`. Every rank calls this (the optimizer state is gathered).
-
-    Raises CheckpointError on rank 0 when the parameters are not finite (nothing is written) or a file
-    cannot be written (the files of this step are removed); the checkpoints before it stay as they were."""
-    m, v, master = optimizer.full_state()
-    params = model.params_numpy()
-    if comm.rank == 0:
-        if not formats.all_finite(params):
-            raise CheckpointError(f"the parameters hold NaN or inf at step {step}: no checkpoint written "
-                                  f"({_newest(out_dir)})")
-        version = 5 if model.backend.precision == "bf16" else 3
-        with _writing(out_dir, step):
-            print(f"Writing model to {model_path(out_dir, step)}")
-            formats.write_model(model_path(out_dir, step), model.config, params, version=version)
-            print(f"Writing state to {state_path(out_dir, step)}")
-            formats.write_state(state_path(out_dir, step), step=step, num_processes=comm.world_size,
-                                rng_state=0,  # training draws no random numbers: nothing to restore
-                                loader_state=loader.state(), m=m, v=v, master=master,
-                                should_shuffle=loader.shuffle, samples_per_epoch=loader.num_samples,
-                                seq_len=loader.T, **guard.state())
-    comm.barrier()
-    if comm.rank == 0:
-        with _writing(out_dir, step), formats.atomic_write(done_path(out_dir, step)):
-            pass
-    comm.barrier()
 
 
 @contextmanager
@@ -128,20 +119,28 @@ def _problem(e):
 
 
 def load(out_dir, step, model, optimizer, loader, guard):
-    """Restore parameters, optimizer state, data position and outlier windows from the checkpoint at `step`.
+    """Restore parameters, optimizer state, data position and outlier windows from the checkpoint at `step`;
+    -> (run id, fingerprint): the run that wrote it, and {path: (size, checksum)} of its two files.
 
-    Raises formats.FormatError if a file is damaged or its model differs from the one this run builds,
-    and CheckpointError if the saved data position means something else in this run (another -t, -a
-    or train data): resuming would skip or repeat data, so we refuse rather than guess."""
-    config, params, _ = formats.read_model(model_path(out_dir, step))
+    Raises formats.FormatError if a file is damaged (it does not match its checksum, holds values no run
+    makes, or its model file is not the one its state was saved with), and CheckpointError if the
+    checkpoint is fine but not for this run: a model other than -e's, or a data position that means
+    something else here (another -t, -a or train data), which would skip or repeat data."""
+    path = model_path(out_dir, step)
+    config, params, _ = formats.read_model(path)   # verifies the model file's own checksum
     if config != model.config:
-        raise formats.FormatError(f"{model_path(out_dir, step)}: checkpoint model {config} differs from the "
-                                  f"model given by -e, {model.config}")
+        raise CheckpointError(f"{path}: checkpoint model {config} differs from the model given by -e, "
+                              f"{model.config}")
+    model_checksum = formats.model_checksum(path)
     path = state_path(out_dir, step)
     state = formats.read_state(path, model.config.num_parameters)
     if state["step"] != step:
         raise formats.FormatError(f"{path}: holds the state of step {state['step']}, not of step {step} as its "
                                   f"name says: the file is damaged")
+    if state["model_checksum"] not in (None, model_checksum):   # None: a state from before checksums
+        raise formats.FormatError(f"{model_path(out_dir, step)}: not the model file saved with {path} (the "
+                                  f"state records checksum {state['model_checksum']:016x}, the model "
+                                  f"{model_checksum or 0:016x}): a model of another step or run")
     _check_data_position(path, state, loader)
     try:
         guard.load_state(state["loss_window"], state["norm_window"], state["nonfinite_streak"])
@@ -150,7 +149,9 @@ def load(out_dir, step, model, optimizer, loader, guard):
         raise formats.FormatError(f"{path}: {e}") from None
     model.load_params(params)
     optimizer.load_full_state(state["m"], state["v"], state["master"])
-    return step
+    fingerprint = {model_path(out_dir, step): (os.path.getsize(model_path(out_dir, step)), model_checksum),
+                   path: (os.path.getsize(path), state["checksum"])}
+    return state["run_id"], fingerprint
 
 
 def _check_data_position(path, state, loader):
@@ -173,11 +174,13 @@ class OutputDir:
     """The -o directory of one run, prepared by rank 0 as the module docstring says; no-ops when path is
     None (no -o). Every rank constructs it: the others wait until rank 0 has checked the directory.
 
-    resume: -y 1, continue from the newest complete checkpoint (or start fresh if there is none)."""
+    resume: -y 1, continue from the newest intact checkpoint (or start fresh if there is none)."""
 
     def __init__(self, path, resume, comm):
-        self.path, self.rank, self._lock = path, comm.rank, None
+        self.path, self.comm, self._lock = path, comm, None
         self.log_path = os.path.join(path, "main.log") if path else None
+        self.lock_path = os.path.join(path, "LOCK") if path else None
+        self.run_id = secrets.randbits(64) or 1   # a resumed run takes its checkpoint's
         if path and comm.rank == 0:
             try:
                 self._prepare(resume)
@@ -190,19 +193,21 @@ class OutputDir:
             raise CheckpointError(f"-o {self.path}: exists and is not a directory")
         os.makedirs(self.path, exist_ok=True)
         self._take_lock()
-        steps = [int(m.group(1)) for name in os.listdir(self.path) if (m := CHECKPOINT_FILE.fullmatch(name))]
+        names = os.listdir(self.path)
+        steps = [int(m.group(1) or m.group(2)) for name in names if (m := CHECKPOINT_FILE.fullmatch(name))]
         if steps and not resume:
             raise CheckpointError(f"-o {self.path} holds checkpoints of an earlier run (the newest at step "
                                   f"{max(steps)}): use -y 1 to resume, or another -o")
-        for name in os.listdir(self.path):
-            if formats.is_temporary(name):
+        if not resume and os.path.isfile(self.log_path) and os.path.getsize(self.log_path):
+            raise CheckpointError(f"-o {self.path} holds the main.log of an earlier run: use -y 1 to go on "
+                                  f"with it (its lines are kept), or another -o")
+        for name in names:
+            if TEMPORARY_FILE.fullmatch(name):
                 os.remove(os.path.join(self.path, name))
-        if not resume:
-            open(self.log_path, "w").close()
 
     def _take_lock(self):
         """Lock DIR/LOCK for as long as this process lives, and write who holds it there."""
-        fd = os.open(os.path.join(self.path, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -214,15 +219,73 @@ class OutputDir:
         os.write(fd, f"the run of pid {os.getpid()} on {socket.gethostname()}\n".encode())
         self._lock = fd
 
+    def _check_lock(self):
+        """Before rank 0 writes: DIR/LOCK must still be the file this run locked. Deleted (or replaced),
+        it no longer keeps a second run out, and that run may already write here: stop, and write nothing."""
+        held = os.fstat(self._lock)
+        try:
+            now = os.stat(self.lock_path)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            what = "deleted" if now is None else "replaced"
+            raise CheckpointError(f"-o {self.path}: {self.lock_path} was {what} while this run held it, so "
+                                  f"another run may write there: stopping before writing more; "
+                                  f"{_newest(self.path)}")
+
     def resume(self, model, optimizer, loader, guard):
-        """Load the newest complete checkpoint; -> its step, or 0 when there is none."""
-        step = latest_step(self.path) if self.path else None
-        return 0 if step is None else load(self.path, step, model, optimizer, loader, guard)
+        """Load the newest intact checkpoint; -> its step, or 0 when there is none.
+
+        Rank 0 chooses it, skipping damaged ones; every other rank loads the one it chose and confirms
+        that it read the same bytes. A rank that cannot, or read others, stops every rank with one line."""
+        if not self.path:
+            return 0
+        step, run_id, fingerprint = 0, 0, None
+        if self.comm.rank == 0:
+            step, run_id, fingerprint = self._choose(model, optimizer, loader, guard)
+        step, fingerprint = self.comm.broadcast_object((step, fingerprint))
+        problem = None
+        if step and self.comm.rank > 0:
+            try:
+                run_id, mine = load(self.path, step, model, optimizer, loader, guard)
+                problem = next((_differs(path, mine[path], theirs) for path, theirs in fingerprint.items()
+                                if mine[path] != theirs), None)
+            except (formats.FormatError, CheckpointError) as e:
+                problem = str(e)
+        for rank, problem in enumerate(self.comm.all_gather_object(problem)):
+            if problem:
+                raise CheckpointError(f"rank {rank} cannot resume the checkpoint at step {step} as rank 0 "
+                                      f"does ({problem}): every rank must see the same -o {self.path}")
+        if run_id:
+            self.run_id = run_id
+        return step
+
+    def _choose(self, model, optimizer, loader, guard):
+        """Rank 0: load the newest checkpoint that is intact -> (step, run id, fingerprint), or (0, 0, None)
+        when there is none. Each damaged one skipped gets a line; if all are damaged, the newest's error."""
+        damaged = []
+        for step in reversed(done_steps(self.path)):
+            try:
+                found = step, *load(self.path, step, model, optimizer, loader, guard)
+            except formats.FormatError as e:
+                damaged.append((step, e))
+                continue
+            for old, e in damaged:
+                print(f"WARNING: skipping the damaged checkpoint at step {old}, resuming from step {step}: "
+                      f"{e}")
+            return found
+        if len(damaged) > 1:
+            raise formats.FormatError(f"{damaged[0][1]}; the {len(damaged) - 1} earlier checkpoint(s) are "
+                                      f"damaged too")
+        if damaged:
+            raise damaged[0][1]
+        return 0, 0, None
 
     def log(self, line):
         """Append one line to main.log (rank 0 writes it)."""
-        if not self.path or self.rank != 0:
+        if not self.path or self.comm.rank != 0:
             return
+        self._check_lock()
         try:
             with open(self.log_path, "a") as f:
                 f.write(line + "\n")
@@ -230,13 +293,58 @@ class OutputDir:
             raise CheckpointError(f"cannot write {self.log_path} ({e.strerror}); "
                                   f"{_newest(self.path)}") from None
 
-    def save(self, step, model, optimizer, loader, guard, comm, keep=0, keep_every=0, every=1):
-        """Write the checkpoint at `step`, then delete the one `keep` checkpoints back (-nk; 0 keeps all)
-        unless its step is a multiple of keep_every (-nm). Checkpoints are `every` (-n) steps apart."""
-        save(self.path, step, model, optimizer, loader, guard, comm)
-        old = step - keep * every
-        if comm.rank == 0 and keep > 0 and old > 0 and (keep_every == 0 or old % keep_every):
-            try:
-                delete(self.path, old)
-            except OSError as e:
-                raise CheckpointError(f"cannot delete the checkpoint at step {old} ({_problem(e)})") from None
+    def save(self, step, model, optimizer, loader, guard, comm, keep=0, keep_every=0):
+        """Write model, state and DONE for `step`, then delete all but the newest `keep` checkpoints up to it
+        (-nk; 0 keeps all), except those whose step is a multiple of keep_every (-nm). Every rank calls this
+        (the optimizer state is gathered); rank 0 writes.
+
+        Raises CheckpointError on rank 0 when the parameters are not finite (nothing is written), when the
+        lock was lost, or when a file cannot be written (the files of this step are removed); the
+        checkpoints before it stay as they were."""
+        m, v, master = optimizer.full_state()
+        params = model.params_numpy()
+        if comm.rank == 0:
+            if not formats.all_finite(params):
+                raise CheckpointError(f"the parameters hold NaN or inf at step {step}: no checkpoint written "
+                                      f"({_newest(self.path)})")
+            self._check_lock()
+            version = 5 if model.backend.precision == "bf16" else 3
+            with _writing(self.path, step):
+                delete(self.path, step)   # a damaged checkpoint a fallback left at this step stops counting
+                print(f"Writing model to {model_path(self.path, step)}")
+                checksum = formats.write_model(model_path(self.path, step), model.config, params,
+                                               version=version, run_id=self.run_id)
+                print(f"Writing state to {state_path(self.path, step)}")
+                formats.write_state(state_path(self.path, step), step=step, num_processes=comm.world_size,
+                                    rng_state=0,  # training draws no random numbers: nothing to restore
+                                    loader_state=loader.state(), m=m, v=v, master=master,
+                                    should_shuffle=loader.shuffle, samples_per_epoch=loader.num_samples,
+                                    seq_len=loader.T, model_checksum=checksum, run_id=self.run_id,
+                                    **guard.state())
+        comm.barrier()
+        if comm.rank == 0:
+            self._check_lock()   # lost while writing: the files may be paired with another run's, so no DONE
+            with _writing(self.path, step), formats.atomic_write(done_path(self.path, step)):
+                pass
+            if keep > 0:
+                self._delete_all_but(step, keep, keep_every)
+        comm.barrier()
+
+    def _delete_all_but(self, step, keep, keep_every):
+        """Delete the checkpoints up to `step` but the newest `keep`, sparing multiples of keep_every.
+        Those past `step` are left alone: damaged ones that a fallback skipped, which this run overwrites."""
+        for old in [s for s in done_steps(self.path) if s <= step][:-keep]:
+            if keep_every == 0 or old % keep_every:
+                try:
+                    delete(self.path, old)
+                except OSError as e:
+                    raise CheckpointError(f"cannot delete the checkpoint at step {old} "
+                                          f"({_problem(e)})") from None
+
+
+def _differs(path, mine, theirs):
+    """What differs between this rank's (size, checksum) of a file and rank 0's, in words."""
+    def say(fingerprint):
+        size, checksum = fingerprint
+        return f"{size} bytes" + (f", checksum {checksum:016x}" if checksum else "")
+    return f"{path}: {say(mine)} here, {say(theirs)} on rank 0"

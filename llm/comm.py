@@ -10,6 +10,8 @@ Every communicator offers, on contiguous 1-D buffers:
                                              shard may be that very slice of flat
   all_gather(shard, flat)                    flat[r*S:(r+1)*S] = rank r's shard; shard may be its own slice
   barrier(), scalar_sum(x) -> float, scalar_avg(x) -> float
+and, on small Python objects (a decision, a fingerprint, an error message):
+  broadcast_object(x) -> rank 0's x          all_gather_object(x) -> [rank 0's x, rank 1's x, ...]
 The model and the optimizer never ask which one they hold.
 """
 import numpy as np
@@ -50,6 +52,12 @@ class SingleComm:
 
     def scalar_avg(self, x):
         return float(x)
+
+    def broadcast_object(self, x):
+        return x
+
+    def all_gather_object(self, x):
+        return [x]
 
 
 class MPIComm:
@@ -118,6 +126,12 @@ class MPIComm:
     def scalar_avg(self, x):
         return self.scalar_sum(x) / self.world_size
 
+    def broadcast_object(self, x):
+        return self.comm.bcast(x, root=0)
+
+    def all_gather_object(self, x):
+        return self.comm.allgather(x)
+
 
 class NCCLComm:
     """One GPU per rank, collectives on device buffers through cupy.cuda.nccl.
@@ -162,6 +176,12 @@ class NCCLComm:
 
     def scalar_avg(self, x):
         return self.mpi.scalar_avg(float(x))
+
+    def broadcast_object(self, x):
+        return self.mpi.broadcast_object(x)
+
+    def all_gather_object(self, x):
+        return self.mpi.all_gather_object(x)
 
 
 def make_comm(gpu=False, force_nccl=False):

@@ -8,15 +8,24 @@ inputs and its last T the targets, so every position predicts the next token. A 
 The order of the samples does not depend on the number of ranks. There is one global stream: epoch e
 visits the shards in an order and each shard's samples in an order (both shuffled when asked, from seeds
 that name only the seed, the epoch and the shard), and the stream is the epochs one after another. Every
-call to next_batch takes the next N*B samples of that stream, and rank r keeps rows [r*B, (r+1)*B). So the
-global batches of a run on N ranks are those of a run on 1 rank with N times the micro-steps, and a run can
-resume on a different number of ranks and continue the same stream.
+call to next_batch takes the next world_size*B samples of that stream, and rank r keeps rows [r*B, (r+1)*B).
+So the global batches of a run on world_size ranks are those of a run on 1 rank with world_size times the
+micro-steps, and a run can resume on a different number of ranks and continue the same stream.
 
 llm.c differs here on purpose: it seeds each rank's shuffle with 42 + rank and lets each rank read its own
-sub-slice of every sample, so its data order changes with N.
+sub-slice of every sample, so its data order changes with the number of ranks.
+
+A loader opens every shard once, when it is built, checks it whole, and from then on reads samples from
+those open files (os.preadv), never by name again and never through a memory map. A shard that a data
+script prepares anew, written aside and renamed over the old name, leaves the open file, and so the run,
+as it was. A shard truncated or rewritten in place, which a memory map would meet as a SIGBUS, is seen
+at the next read (its size or modification time moved) and stops the run with one line. Copying the
+shards into memory would cost 200 MB for each FineWeb shard of 100M tokens, 20 GB for sample-10BT's 100.
 """
 import glob
 import math
+import os
+import resource
 
 import numpy as np
 
@@ -48,18 +57,21 @@ class DataLoader:
         self.pattern, self.B, self.T = pattern, B, T
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed = shuffle, seed
-        self.shards = sorted(glob.glob(pattern))
-        if not self.shards:
+        paths = sorted(glob.glob(pattern))
+        if not paths:
             raise DataError(f"no files match -i/-j pattern '{pattern}': {prepare_hint(pattern)}")
-        # validate every shard now, so that a bad file fails at startup and not hours into a run
-        ntoks = [_check_shard(path, vocab_size) for path in self.shards]
-        self.shard_samples = np.array([max(ntok - 1, 0) // T for ntok in ntoks], dtype=np.int64)
+        # open and validate every shard now, so that a bad file fails at startup and not hours into a run,
+        # and what was validated is what the run reads (the module docstring says why)
+        _room_for_open_files(len(paths))
+        self.shards = [Shard(path, vocab_size) for path in paths]
+        self.shard_samples = np.array([max(s.ntok - 1, 0) // T for s in self.shards], dtype=np.int64)
         self.num_samples = int(self.shard_samples.sum())   # samples per epoch
         if self.num_samples < world_size * B:
             raise DataError(f"'{pattern}' ({len(self.shards)} shards) has only {self.num_samples} samples "
-                            f"of T+1={T + 1} tokens; a batch needs N*B = {world_size}*{B} = {world_size * B}")
+                            f"of T+1={T + 1} tokens; a batch needs world_size*B = {world_size}*{B} = "
+                            f"{world_size * B}")
         self._epoch_order = None   # (epoch, shard order, first stream position of each shard in it)
-        self._shard = None         # (epoch, shard index, sample order or None, tokens memmap)
+        self._shard = None         # (epoch, shard index, sample order or None)
         self.reset()
 
     @property
@@ -95,15 +107,15 @@ class DataLoader:
         return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
 
     def _sample(self, index):
-        """The T+1 tokens of stream sample `index`, as a view into its shard."""
+        """The T+1 tokens of stream sample `index`, read from its shard."""
         epoch, position = divmod(index, self.num_samples)
         order, starts = self._shard_order(epoch)
         k = int(np.searchsorted(starts, position, side="right")) - 1   # skips shards holding no samples
         s = int(order[k])
-        sample_order, tokens = self._enter_shard(epoch, s)
+        sample_order = self._enter_shard(epoch, s)
         i = position - int(starts[k])
         j = i if sample_order is None else int(sample_order[i])
-        return tokens[j * self.T:(j + 1) * self.T + 1]
+        return self.shards[s].read(j * self.T, self.T + 1)
 
     def _shard_order(self, epoch):
         """Epoch's shard order and, for each shard in that order, the stream position of its first sample."""
@@ -115,14 +127,74 @@ class DataLoader:
         return self._epoch_order[1:]
 
     def _enter_shard(self, epoch, s):
-        """Map shard s and draw its sample order for this epoch; kept until the next shard is entered."""
+        """Shard s's sample order for this epoch (None: in order); kept until the next shard is entered."""
         if self._shard is None or self._shard[:2] != (epoch, s):
             sample_order = None
             if self.shuffle:
                 rng = np.random.default_rng([self.seed, epoch, s])
                 sample_order = rng.permutation(int(self.shard_samples[s]))
-            self._shard = (epoch, s, sample_order, formats.read_shard(self.shards[s]))
-        return self._shard[2:]
+            self._shard = (epoch, s, sample_order)
+        return self._shard[2]
+
+
+class Shard:
+    """One token shard, opened and checked whole at start-up: ntok tokens, every id below vocab_size.
+
+    read() takes tokens from the file opened then, so a file renamed over `path` later changes nothing;
+    a change to the opened file itself (truncated, rewritten in place) is a DataError at the next read."""
+    SCAN_TOKENS = 1 << 24   # the start-up check reads 32 MB at a time
+
+    def __init__(self, path, vocab_size):
+        self.path = path
+        self.file, self.ntok = formats.open_shard(path)   # FormatError for a bad header or size
+        self.stamp = self._stamp()
+        buffer = np.empty(min(self.SCAN_TOKENS, self.ntok), dtype="<u2")
+        for first in range(0, self.ntok, self.SCAN_TOKENS):
+            tokens = self.read(first, min(self.SCAN_TOKENS, self.ntok - first), buffer)
+            if int(tokens.max()) >= vocab_size:
+                position = first + int(np.argmax(tokens >= vocab_size))
+                raise DataError(f"{path}: token id {int(tokens[position - first])} at position {position} "
+                                f"is >= vocab size {vocab_size}")
+
+    def _stamp(self):
+        """What changes when the opened file does: its size and modification time."""
+        st = os.fstat(self.file.fileno())
+        return st.st_size, st.st_mtime_ns
+
+    @property
+    def identity(self):
+        """(device, inode): the same file under any name."""
+        st = os.fstat(self.file.fileno())
+        return st.st_dev, st.st_ino
+
+    def read(self, first, count, buffer=None):
+        """Tokens first..first+count-1 as uint16 (in `buffer`, if given), from the file opened at start-up."""
+        tokens = np.empty(count, dtype="<u2") if buffer is None else buffer[:count]
+        if os.preadv(self.file.fileno(), [tokens], formats.HEADER_BYTES + 2 * first) != 2 * count or \
+                self._stamp() != self.stamp:
+            raise DataError(f"{self.path}: changed while this run reads it (truncated or written in place "
+                            f"since start-up): restore it, or write new shards aside and rename them over "
+                            f"(as data/*.py do), then -y 1 resumes from the last checkpoint")
+        return tokens
+
+
+def _room_for_open_files(n):
+    """Let this process hold n shards open and 1,024 other files: FineWeb's sample-100BT makes about 1,000
+    shards, and the usual soft limit on open files is 1,024. The soft limit is raised as far as the hard
+    limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = n + 1024 if hard == resource.RLIM_INFINITY else min(n + 1024, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def shared_files_warning(train, val):
+    """A warning line when the train and val loaders read a file in common (by any name), else None."""
+    val_files = {shard.identity for shard in val.shards}
+    shared = [shard.path for shard in train.shards if shard.identity in val_files]
+    if shared:
+        return (f"WARNING: the train data (-i) and the val data (-j) share {len(shared)} file(s), {shared[0]}"
+                f"{', ...' if len(shared) > 1 else ''}: the val loss is measured on data the model trains on")
 
 
 def prepare_hint(pattern):
@@ -135,21 +207,11 @@ def prepare_hint(pattern):
     return "the scripts in data/ write shards (`make data`: tiny Shakespeare; data/fineweb.py: FineWeb)"
 
 
-def _check_shard(path, vocab_size):
-    """Read a shard's header and scan its tokens for ids >= vocab_size; return its token count."""
-    tokens = formats.read_shard(path)   # raises formats.FormatError for a bad header or size
-    if len(tokens) and int(tokens.max()) >= vocab_size:
-        position = int(np.argmax(tokens >= vocab_size))
-        raise DataError(f"{path}: token id {int(tokens[position])} at position {position} "
-                        f"is >= vocab size {vocab_size}")
-    return len(tokens)
-
-
 class EvalLoader:
     """Batches of a multiple-choice eval file (HellaSwag: a context and 4 completions, one correct).
 
-    Rank r takes ceil(num_examples / N) consecutive examples. Each batch packs floor(B/4) examples into
-    4 rows each: row 4i+c holds example i's context followed by completion c, its targets are the row
+    Rank r takes ceil(num_examples / world_size) consecutive examples. Each batch packs floor(B/4) examples
+    into 4 rows each: row 4i+c holds example i's context followed by completion c, its targets are the row
     shifted by one (the last context token predicts the first completion token), and mask is 1 at the
     targets that are completion tokens. Unused rows and positions hold eot (GPT-2's 50256) with mask 0.
     Every rank yields the same number of batches (num_batches); a batch's examples beyond n_active are

@@ -52,6 +52,9 @@ def extra(module):
         raise ExportError(f"this needs the {module.split('.')[0]} package: pip install .[weights]") from None
 
 
+TEMPORARY = re.compile(r"(.+)\.\d+\.tmp")   # formats.temporary_path's names
+
+
 def check_out(out):
     """--out must be a folder that is new, empty or holds an earlier export: the files of another model
     (a tokenizer.json, say) would be loaded with ours. Returns the files of ours that it already holds."""
@@ -60,10 +63,10 @@ def check_out(out):
     if not os.path.isdir(out):
         raise ExportError(f"--out {out}: is a file: name a folder (a new one, or an empty one)")
     names = os.listdir(out)
-    for name in names:   # an export killed while writing leaves a temporary file of ours behind
-        if formats.is_temporary(name) and name.rsplit(".", 2)[0] in FILES:
-            os.remove(os.path.join(out, name))
-    others = sorted(name for name in names if name not in FILES and not formats.is_temporary(name))
+    ours = {name for name in names if (m := TEMPORARY.fullmatch(name)) and m.group(1) in FILES}
+    for name in ours:   # an export killed while writing leaves a temporary file of ours behind
+        os.remove(os.path.join(out, name))
+    others = sorted(name for name in names if name not in FILES and name not in ours)
     if others:
         listed = ", ".join(others[:3]) + (", ..." if others[3:] else "")
         raise ExportError(f"--out {out}: holds other files ({listed}), which would be loaded with the model: "

@@ -15,15 +15,19 @@ The payload follows directly after the header.
 Readers raise FormatError, one line naming the file and the problem, for anything a user can get
 wrong: a missing file, the wrong kind of file, an unknown version, a size the header disagrees with,
 and, in model and state files, values no training run can produce (NaN or infinite parameters, a
-negative second moment), which a damaged or foreign file of the right size holds.
+negative second moment, a model of zeros), which a damaged or foreign file of the right size holds.
 Writers go through atomic_write (or atomic_path), so a writer killed half way never leaves a broken file
 behind.
+
+The model and state files we write also prove their own bytes: a checksum of the whole file sits in
+header slots that llm.c neither writes nor reads (see "Checksums" below), and a reader verifies it.
+llm.c's files carry none and load as before.
 """
 from contextlib import contextmanager, suppress
 import os
-import re
 
 import numpy as np
+import xxhash
 
 from llm.config import GPT2_EOT, ConfigError, GPT2Config
 from llm.layout import tensor_at
@@ -78,11 +82,6 @@ def temporary_path(path):
     """Where atomic_write puts the bytes of `path` until they are complete: `path`.<pid>.tmp (the pid
     keeps two processes writing one name apart)."""
     return f"{os.fspath(path)}.{os.getpid()}.tmp"
-
-
-def is_temporary(name):
-    """Whether a file name is one temporary_path makes: what a killed writer leaves behind."""
-    return re.fullmatch(r".+\.\d+\.tmp", name) is not None
 
 
 @contextmanager
@@ -202,6 +201,63 @@ def _write_array(f, array, dtype):
 
 
 # ----------------------------------------------------------------------------------------------
+# Checksums: a model or state file we write proves its own bytes
+#
+# llm.c leaves the last slots of both headers 0 and never reads them; we keep there
+#   250-251  the run id (uint64) of the run that wrote the file (0: not recorded)
+#   252      the checksum's kind: 1 = xxh3_64, chosen for its speed (bench/checksum.py: about 14 GB/s
+#            on one core, where zlib's crc32 makes 2.8); 0 = none, as in llm.c's files, which load unverified
+#   254-255  the checksum (uint64) of the whole file, header included, with slots 254-255 read as 0
+# A bit flipped anywhere, a zero-filled payload, a data position moved in the header: the file no
+# longer matches its checksum. The state file also records its model file's checksum (see below).
+
+SLOT_RUN_ID = 250
+SLOT_CHECKSUM_KIND = 252
+SLOT_CHECKSUM = 254
+CHECKSUM_XXH3 = 1
+
+
+def _checksum(header, arrays):
+    """xxh3_64 of a file made of `header` (its checksum slots read as 0) followed by `arrays`' bytes."""
+    header = header.copy()
+    header[SLOT_CHECKSUM:SLOT_CHECKSUM + 2] = 0
+    hasher = xxhash.xxh3_64(header.tobytes())
+    for array in arrays:
+        hasher.update(array)   # streams: hashing a, then b equals hashing their concatenation
+    return hasher.intdigest()
+
+
+def _write_checksummed(path, header, arrays, run_id):
+    """Write `header` then `arrays` (contiguous, already in their file dtypes), with the run id and the
+    file's checksum in the header; -> the checksum."""
+    _set64(header, SLOT_RUN_ID, run_id, "<u8")
+    header[SLOT_CHECKSUM_KIND] = CHECKSUM_XXH3
+    checksum = _checksum(header, arrays)
+    _set64(header, SLOT_CHECKSUM, checksum, "<u8")
+    with atomic_write(path) as f:
+        f.write(header.tobytes())
+        for array in arrays:
+            _write_array(f, array, array.dtype)
+    return checksum
+
+
+def _verify(path, header, arrays):
+    """-> the checksum of a file read as `header` and `arrays`; FormatError if the file records another
+    one. A file that records none (llm.c's) passes: the checksum is still returned, to compare copies."""
+    checksum = _checksum(header, arrays)
+    kind, recorded = int(header[SLOT_CHECKSUM_KIND]), _get64(header, SLOT_CHECKSUM, "<u8")
+    if kind == recorded == 0:
+        return checksum
+    if kind != CHECKSUM_XXH3:
+        raise FormatError(f"{path}: unknown checksum kind {kind} in header slot {SLOT_CHECKSUM_KIND}: "
+                          f"the file is damaged")
+    if recorded != checksum:
+        raise FormatError(f"{path}: its bytes do not match the checksum it records ({recorded:016x}, they "
+                          f"give {checksum:016x}): the file is damaged")
+    return checksum
+
+
+# ----------------------------------------------------------------------------------------------
 # bf16: the top 16 bits of a float32
 
 def float32_to_bf16_bits(x):
@@ -226,8 +282,9 @@ def bf16_bits_to_float32(bits):
 # ----------------------------------------------------------------------------------------------
 # Model checkpoint: the config, then the flat parameter buffer (llm/layout.py's 16 tensors)
 
-def write_model(path, config, params, version=MODEL_VERSION_FP32):
-    """Write `params`, the flat float32 buffer of config.num_parameters, as version 3 (fp32) or 5 (bf16)."""
+def write_model(path, config, params, version=MODEL_VERSION_FP32, run_id=0):
+    """Write `params`, the flat float32 buffer of config.num_parameters, as version 3 (fp32) or 5 (bf16),
+    with the run id and the file's checksum in the header; -> the checksum."""
     if version not in MODEL_VERSIONS:
         raise ValueError(f"model version must be {_describe_versions(MODEL_VERSIONS)}, not {version}")
     params = np.asarray(params)
@@ -236,12 +293,9 @@ def write_model(path, config, params, version=MODEL_VERSION_FP32):
     header = new_header(MODEL_MAGIC, version)
     header[2:8] = (config.max_seq_len, config.vocab_size, config.num_layers,
                    config.num_heads, config.channels, config.padded_vocab_size)
-    with atomic_write(path) as f:
-        f.write(header.tobytes())
-        if version == MODEL_VERSION_BF16:
-            _write_array(f, float32_to_bf16_bits(params), "<u2")
-        else:
-            _write_array(f, params, "<f4")
+    payload = float32_to_bf16_bits(params) if version == MODEL_VERSION_BF16 else \
+        np.ascontiguousarray(params, dtype="<f4")
+    return _write_checksummed(path, header, [payload], run_id)
 
 
 def _model_config(path, header):
@@ -260,17 +314,29 @@ def read_model_config(path):
 
 
 def read_model(path):
-    """-> (config, params, version); params is float32 (num_parameters,) whatever the file's version."""
+    """-> (config, params, version); params is float32 (num_parameters,) whatever the file's version.
+    A file that records a checksum must match it."""
     with open_llmc(path, MODEL_MAGIC, MODEL_VERSIONS) as (f, header, payload_bytes):
         config = _model_config(path, header)
         version = int(header[1])
         n = config.num_parameters
         check_payload_size(path, payload_bytes, n * MODEL_DTYPES[version].itemsize, f"{n} parameters")
         params = np.fromfile(f, dtype=MODEL_DTYPES[version], count=n)
+    _verify(path, header, [params])
     if version == MODEL_VERSION_BF16:
         params = bf16_bits_to_float32(params)
     check_finite(path, params, "the model", lambda i: "in " + tensor_at(config, i))
+    if not params.any():
+        raise FormatError(f"{path}: every parameter is 0, as in no model (a file zero-filled by a crash?): "
+                          f"the file is damaged")
     return config, params, version
+
+
+def model_checksum(path):
+    """The checksum a model file records in its header, or None (llm.c's files record none). read_model
+    has verified it against the bytes, so it names them: a state file records it to tie itself to them."""
+    with open_llmc(path, MODEL_MAGIC, MODEL_VERSIONS) as (_, header, _):
+        return _get64(header, SLOT_CHECKSUM, "<u8") or None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,13 +351,16 @@ def read_model(path):
 #     llm.c writes one file per rank holding only that rank's ZeRO-1 shard; we gather the shards before
 #     saving, so one state file resumes a run at any number of processes. num_processes and
 #     process_rank record who wrote the file; they are not required to match on load.
-#   - slots 40-47 are unused by llm.c; we keep there:
+#   - slots 40-49 are unused by llm.c; we keep there:
 #       40-41 num_parameters (int64), so the reader can check the size
 #       42-43 the train data's samples per epoch (int64) and 44 the sequence length T: the loader
 #             position counts samples of T+1 tokens in that data, so a resume checks both still hold
 #       45    non-finite steps in a row so far, 46 and 47 how many values the loss and the grad-norm
 #             outlier windows hold (0..128): the -sl/-sg/--max-nonfinite decisions (llm/outliers.py)
-#     Files written before these fields have 0 in 42-47: no data check, empty windows, as then.
+#       48-49 the checksum of the model file saved with this state (uint64): it ties the two files of
+#             one checkpoint together, so a model file of another step or run is refused
+#     Files written before these fields have 0 in 42-49: no data check, empty windows, no tie, as then.
+#     The run id and the state file's own checksum sit in 250-255, as in a model file (see Checksums).
 #   - after master, llm.c appends the shuffled shard and sample orders and its Mersenne Twister
 #     state. Our loader's order is recomputed from its seed and its position, so the two position
 #     numbers are the whole loader state. Our payload ends with the loss window, then the grad-norm
@@ -302,13 +371,16 @@ STATE_SLOT_SAMPLES_PER_EPOCH = 42
 STATE_SLOT_SEQ_LEN = 44
 STATE_SLOT_NONFINITE_STREAK = 45
 STATE_SLOT_WINDOWS = 46
+STATE_SLOT_MODEL_CHECKSUM = 48
 
 
 def write_state(path, *, step, num_processes, rng_state, loader_state, m, v, master=None,
                 should_shuffle=True, process_rank=0, rng_state_last_update=0, samples_per_epoch=0, seq_len=0,
-                nonfinite_streak=0, loss_window=(), norm_window=()):
+                nonfinite_streak=0, loss_window=(), norm_window=(), model_checksum=0, run_id=0):
     """Write the training state; m, v and master (or None) are full float32 (num_parameters,) buffers;
-    samples_per_epoch and seq_len describe what loader_state counts in; the rest is llm/outliers.py's."""
+    samples_per_epoch and seq_len describe what loader_state counts in; nonfinite_streak and the windows
+    are llm/outliers.py's; model_checksum is write_model's answer for the model saved with this state.
+    -> the state file's checksum."""
     n = np.size(m)
     for name, buffer in (("v", v), ("master", master)):
         if buffer is not None and np.size(buffer) != n:
@@ -325,17 +397,18 @@ def write_state(path, *, step, num_processes, rng_state, loader_state, m, v, mas
     header[STATE_SLOT_SEQ_LEN] = seq_len
     header[STATE_SLOT_NONFINITE_STREAK] = nonfinite_streak
     header[STATE_SLOT_WINDOWS:STATE_SLOT_WINDOWS + 2] = (len(loss_window), len(norm_window))
-    with atomic_write(path) as f:
-        f.write(header.tobytes())
-        for buffer in (m, v) if master is None else (m, v, master):
-            _write_array(f, buffer, "<f4")
-        _write_array(f, list(loss_window) + list(norm_window), "<f8")
+    _set64(header, STATE_SLOT_MODEL_CHECKSUM, model_checksum, "<u8")
+    buffers = [np.ascontiguousarray(b, dtype="<f4") for b in ((m, v) if master is None else (m, v, master))]
+    windows = np.array(list(loss_window) + list(norm_window), dtype="<f8")
+    return _write_checksummed(path, header, buffers + [windows], run_id)
 
 
 def read_state(path, num_parameters):
     """-> dict(step, num_processes, process_rank, should_shuffle, rng_state, rng_state_last_update,
     loader_state=(shard/epoch index, sample index), samples_per_epoch, seq_len (0: not recorded),
-    m, v, master=None or array, nonfinite_streak, loss_window, norm_window (lists of floats))."""
+    m, v, master=None or array, nonfinite_streak, loss_window, norm_window (lists of floats),
+    checksum (of the file's bytes, verified against the one it records, if any), model_checksum (or
+    None: not recorded), run_id (0: not recorded))."""
     with open_llmc(path, STATE_MAGIC, {STATE_VERSION: ""}) as (f, header, payload_bytes):
         n = _get64(header, STATE_SLOT_NUM_PARAMETERS)
         if n != num_parameters:
@@ -350,8 +423,8 @@ def read_state(path, num_parameters):
                            f"{'m, v and master' if use_master else 'm and v'} of {n} parameters"
                            f"{f' and outlier windows of {n_loss} and {n_norm} values' if n_loss + n_norm else ''}")
         state = {name: np.fromfile(f, dtype="<f4", count=n) for name in buffers}
-        loss_window = np.fromfile(f, dtype="<f8", count=n_loss).tolist()
-        norm_window = np.fromfile(f, dtype="<f8", count=n_norm).tolist()
+        windows = np.fromfile(f, dtype="<f8", count=n_loss + n_norm)
+    checksum = _verify(path, header, [*state.values(), windows])
     for name, buffer in state.items():
         check_finite(path, buffer, name)
     if n and state["v"].min() < 0:
@@ -365,7 +438,9 @@ def read_state(path, num_parameters):
                 seq_len=int(header[STATE_SLOT_SEQ_LEN]),
                 m=state["m"], v=state["v"], master=state.get("master"),
                 nonfinite_streak=int(header[STATE_SLOT_NONFINITE_STREAK]),
-                loss_window=loss_window, norm_window=norm_window)
+                loss_window=windows[:n_loss].tolist(), norm_window=windows[n_loss:].tolist(),
+                checksum=checksum, model_checksum=_get64(header, STATE_SLOT_MODEL_CHECKSUM, "<u8") or None,
+                run_id=_get64(header, SLOT_RUN_ID, "<u8"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,11 +555,19 @@ def write_shard(path, tokens):
         _write_array(f, tokens, "<u2")
 
 
-def read_shard_header(path):
-    """-> ntok, after checking that the file holds exactly that many tokens."""
-    with open_llmc(path, SHARD_MAGIC, {SHARD_VERSION: ""}) as (_, header, payload_bytes):
+def open_shard(path):
+    """-> (file, ntok): the shard open for reading (unbuffered; the caller closes it), after checking that
+    it holds exactly the ntok tokens its header says."""
+    with open_llmc(path, SHARD_MAGIC, {SHARD_VERSION: ""}) as (f, header, payload_bytes):
         ntok = int(header[2])
         check_payload_size(path, payload_bytes, 2 * ntok, f"{ntok} tokens")
+        return os.fdopen(os.dup(f.fileno()), "rb", buffering=0), ntok
+
+
+def read_shard_header(path):
+    """-> ntok, after checking that the file holds exactly that many tokens."""
+    f, ntok = open_shard(path)
+    f.close()
     return ntok
 
 

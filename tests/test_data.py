@@ -1,9 +1,12 @@
 """Data loaders: one global sample stream whatever the number of ranks, resumable, and the eval batches."""
+import os
+import re
+
 import numpy as np
 import pytest
 
 from llm import formats
-from llm.data import DataError, DataLoader, EvalLoader, score
+from llm.data import DataError, DataLoader, EvalLoader, score, shared_files_warning
 from llm.config import GPT2_EOT as EOT
 
 T = 8
@@ -133,8 +136,67 @@ def test_token_id_beyond_vocab_names_file_id_and_position(tmp_path):
 
 def test_too_few_samples_for_one_global_batch(pattern):
     DataLoader(pattern, 13, T)   # exactly one epoch per batch is fine
-    with pytest.raises(DataError, match="has only 13 samples of T\\+1=9 tokens; a batch needs N\\*B = 2\\*7 = 14"):
+    with pytest.raises(DataError, match="has only 13 samples of T\\+1=9 tokens; "
+                                       "a batch needs world_size\\*B = 2\\*7 = 14"):
         DataLoader(pattern, 7, T, rank=1, world_size=2)
+
+
+# ---- shards that change while a run reads them ----
+
+def test_a_shard_prepared_anew_and_renamed_over_changes_nothing_for_a_running_loader(pattern, tmp_path):
+    """data/*.py write a shard aside and rename it over the old name: the loader keeps reading the file it
+    checked at start-up, through every later epoch (it once read the new file at its next epoch: other
+    tokens, and an IndexError where the new one was shorter)."""
+    straight = first_tokens(global_batches(pattern, 1, 3, 12, True)[0])   # 36 samples: into a third epoch
+    loader = DataLoader(pattern, 3, T, shuffle=True)
+    batches = [loader.next_batch()[0] for _ in range(2)]
+    formats.write_shard(tmp_path / "train_000001.bin", 7 * np.ones(12, dtype=np.uint16))   # 1 sample, not 3
+    batches += [loader.next_batch()[0] for _ in range(10)]
+    assert first_tokens(batches) == straight
+
+
+@pytest.mark.parametrize("change", ["truncated", "rewritten in place"])
+def test_a_shard_changed_in_place_is_one_line_at_the_next_read(pattern, tmp_path, change):
+    """A memory map meets a truncated file as SIGBUS, a death with no message; a file rewritten in place
+    would feed other tokens, maybe ids past the vocab, unchecked."""
+    loader = DataLoader(pattern, 3, T)
+    loader.next_batch()
+    path = tmp_path / "train_000000.bin"
+    if change == "truncated":
+        os.truncate(path, 1024 + 2 * 20)
+    else:
+        with open(path, "r+b") as f:   # as llm.c's data scripts write: same size, new tokens
+            f.seek(1024)
+            f.write(np.full(41, 60000, dtype="<u2").tobytes())
+        os.utime(path, ns=(0, 10**9))   # a new modification time (the clock may not tick within this test)
+    with pytest.raises(DataError, match=f"^{re.escape(str(path))}: changed while this run reads it"):
+        loader.next_batch()
+
+
+def test_a_loader_holds_more_shards_open_than_the_soft_limit_on_open_files(tmp_path):
+    """A loader keeps every shard open, and FineWeb's sample-100BT has about 1,000 shards, where the usual
+    soft limit is 1,024 open files: the loader raises the soft limit toward the hard one."""
+    import resource
+    for s in range(80):
+        formats.write_shard(tmp_path / f"many_{s:06d}.bin", np.arange(T + 1, dtype=np.uint16))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    try:
+        assert DataLoader(str(tmp_path / "many_*.bin"), 1, T).num_samples == 80
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= min(80 + 1024, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_train_and_val_data_sharing_a_file_gets_a_warning(pattern, tmp_path):
+    train = DataLoader(pattern, 1, T)
+    os.symlink(tmp_path / "train_000002.bin", tmp_path / "val.bin")   # the same file by another name
+    warning = shared_files_warning(train, DataLoader(str(tmp_path / "val.bin"), 1, T))
+    assert warning == (f"WARNING: the train data (-i) and the val data (-j) share 1 file(s), "
+                       f"{tmp_path}/train_000002.bin: the val loss is measured on data the model trains on")
+    assert shared_files_warning(train, DataLoader(pattern, 1, T)).count("share 3 file(s)") == 1
+    formats.write_shard(tmp_path / "other.bin", np.arange(41, dtype=np.uint16))   # the same bytes elsewhere
+    assert shared_files_warning(train, DataLoader(str(tmp_path / "other.bin"), 1, T)) is None
 
 
 # ---- multiple-choice eval ----

@@ -289,7 +289,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     formats.write_model(tmp_path / "model.bin", CONFIG, random_params())
     small = GPT2Config(max_seq_len=8, vocab_size=96, padded_vocab_size=128, num_layers=1, num_heads=2,
                        channels=16)
-    formats.write_model(tmp_path / "small_vocab.bin", small, np.zeros(small.num_parameters, np.float32))
+    formats.write_model(tmp_path / "small_vocab.bin", small, np.full(small.num_parameters, 0.02, np.float32))
     formats.write_tokenizer(tmp_path / "tokenizer.bin", [b"a", b"b"], 1)
     (tmp_path / "a_file").write_text("not a folder\n")
     (tmp_path / "other_model").mkdir()

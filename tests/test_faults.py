@@ -3,6 +3,7 @@ a second run in the same directory, and runs that diverge. Each bad input gets o
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from llm import checkpoint, formats
 from llm.backends import gpu_missing
 from llm.config import GPT2Config
 from llm.weight_init import init_params
-from conftest import REPO, TINY, TRAIN, data_args, env, mpirun, needs_mpiexec, rank_pids, run_train
+from conftest import (REPO, TINY, TRAIN, data_args, env, mpirun, needs_mpiexec, rank_pids, run_train,
+                      step_losses)
 
 sys.path.insert(0, REPO)
 import train_gpt2  # noqa: E402   (importing it installs nothing: that happens under __main__ only)
@@ -262,6 +264,47 @@ def test_temporary_files_of_killed_writes_are_removed_at_start(shards):
     assert sorted(os.listdir(shards / "ck")) == ["LOCK", "main.log", "notes.tmp"]   # only ours go
 
 
+def test_a_users_file_that_looks_temporary_is_kept(shards):
+    """Cleanup once removed every NAME.<digits>.tmp in -o: a user's files too."""
+    os.makedirs(shards / "ck")
+    for name in ("notes.123.tmp", "model_00000003.bin.draft.7.tmp", "model_3.bin.42.tmp",
+                 "state_00000003.bin.9.tmp"):   # the last one is a name this program gives: removed
+        (shards / "ck" / name).write_bytes(b"mine")
+    run_train(TINY + data_args() + ["-x", "1", "-o", "ck", "-y", "1"], cwd=shards)
+    assert sorted(os.listdir(shards / "ck")) == ["LOCK", "main.log", "model_00000003.bin.draft.7.tmp",
+                                                 "model_3.bin.42.tmp", "notes.123.tmp"]
+
+
+def test_a_fresh_run_refuses_a_directory_with_an_earlier_runs_log_and_keeps_it(shards):
+    """A run with -o and no checkpoints leaves only main.log: a fresh run there once truncated it."""
+    run_train(TINY + data_args() + ["-x", "2", "-o", "out"], cwd=shards)
+    log = (shards / "out" / "main.log").read_text()
+    proc = run_train(TINY + data_args() + ["-x", "2", "-o", "out"], cwd=shards, check=False)
+    assert_one_line_error(proc, "error: -o out holds the main.log of an earlier run: use -y 1 to go on with "
+                                "it (its lines are kept), or another -o")
+    assert (shards / "out" / "main.log").read_text() == log and log.count("s:2 tel:") == 1
+    run_train(TINY + data_args() + ["-x", "2", "-o", "out", "-y", "1"], cwd=shards)
+    assert (shards / "out" / "main.log").read_text().startswith(log)
+
+
+def test_a_run_whose_lock_is_deleted_stops_before_it_writes_again(shards):
+    """Once LOCK was deleted, a second run took a new one and both wrote checkpoints into one directory:
+    a model of one run got paired with the state of the other."""
+    first = start_long_run(shards, "ck", ["-n", "1"])
+    try:
+        os.remove(shards / "ck" / "LOCK")
+        _, stderr = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 1 and "Traceback" not in stderr
+    assert re.fullmatch(r"error: -o ck: ck/LOCK was deleted while this run held it, so another run may "
+                        r"write there: stopping before writing more; the checkpoint at step \d+ is intact: "
+                        r"-y 1 resumes it", stderr.strip()), stderr
+    step = checkpoint.latest_step(shards / "ck")
+    out = run_train(TINY + data_args() + ["-x", str(step + 1), "-o", "ck", "-y", "1"], cwd=shards).stdout
+    assert f"resuming from checkpoint at step {step}" in out and "WARNING" not in out
+
+
 def limit_file_size(nbytes):
     def preexec():
         resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))   # Python ignores SIGXFSZ: writes get EFBIG
@@ -296,6 +339,48 @@ def test_a_full_disk_under_the_log_stops_with_one_line(shards):
     assert_one_line_error(proc, f"error: cannot write {os.path.join('out', 'main.log')} (No space left on device)")
 
 
+# ---------------------------------------------------------------------------------------------- changing data
+
+@pytest.mark.parametrize("change", ["renamed over", "truncated in place"])
+def test_a_shard_that_changes_under_a_run_is_read_as_validated_or_stops_it_with_one_line(shards, change):
+    """Re-prepared under its name, a shard once gave a traceback at the next epoch; truncated in place,
+    a SIGBUS and no message. A shard of 8192 tokens is 64 steps of -b 4 -t 32: epoch 1 starts at step 65."""
+    proc = start_long_run(shards, "out")
+    if change == "renamed over":
+        formats.write_shard(shards / "data" / "train.bin", np.full(2000, 7))   # 62 samples, not 255
+    else:
+        os.truncate(shards / "data" / "train.bin", 1024 + 2 * 100)
+    try:
+        if change == "renamed over":
+            deadline = time.time() + 240
+            while time.time() < deadline and proc.poll() is None and \
+                    "step   70/" not in (shards / "out.stdout").read_text():
+                time.sleep(0.2)
+            assert proc.poll() is None, proc.stderr.read()   # still training, in its second epoch
+            return
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 1 and "Traceback" not in stderr
+    assert stderr.strip() == ("error: data/train.bin: changed while this run reads it (truncated or written "
+                              "in place since start-up): restore it, or write new shards aside and rename "
+                              "them over (as data/*.py do), then -y 1 resumes from the last checkpoint"), \
+        stderr
+
+
+def test_train_data_that_holds_the_val_shard_gets_a_warning(shards):
+    warning = ("WARNING: the train data (-i) and the val data (-j) share 1 file(s), data/val.bin: the val "
+               "loss is measured on data the model trains on")
+    out = run_train(TINY + ["-i", "data/*.bin", "-j", "data/val.bin", "-x", "1"], cwd=shards).stdout
+    assert warning in out.splitlines()
+    out = run_train(TINY + ["-i", "data/val.bin", "-j", "data/val.bin", "-x", "1"], cwd=shards).stdout
+    assert warning in out.splitlines()
+    assert "WARNING" not in run_train(TINY + data_args() + ["-x", "1"], cwd=shards).stdout
+    overfit = run_train(TINY + data_args() + ["-x", "1", "-a", "1"], cwd=shards).stdout   # trains on -j
+    assert "WARNING" not in overfit
+
+
 # ---------------------------------------------------------------------------------------------- resume
 
 def test_a_checkpoint_past_the_last_step_is_refused(shards):
@@ -304,6 +389,72 @@ def test_a_checkpoint_past_the_last_step_is_refused(shards):
     proc = run_train(TINY + data_args() + ["-x", "1", "-o", "ck", "-y", "1"], cwd=shards, check=False)
     assert_one_line_error(proc, "error: -o ck: its newest checkpoint is at step 2, past this run's last step 1: "
                                 "raise -x to train on")
+
+
+def flip_bits(path, byte_offsets):
+    with open(path, "r+b") as f:
+        for offset in byte_offsets:
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ 0x01]))
+
+
+def zero_payload(path):
+    with open(path, "r+b") as f:
+        f.seek(1024)
+        f.write(bytes(os.path.getsize(path) - 1024))
+
+
+def move_data_position(path):
+    header = np.fromfile(path, dtype="<i4", count=256)
+    with open(path, "r+b") as f:
+        f.seek(4 * 32)
+        f.write(np.int32(header[32] + 4).tobytes())
+
+
+M = os.path.join("ck", "model_00000004.bin")
+S = os.path.join("ck", "state_00000004.bin")
+
+
+@pytest.mark.parametrize("damage, problem", [
+    pytest.param(lambda ck: flip_bits(ck / "state_00000004.bin", 1024 + 4 * np.arange(1000)),
+                 f"{S}: its bytes do not match the checksum it records", id="1,000 flipped words in m"),
+    pytest.param(lambda ck: flip_bits(ck / "model_00000004.bin", [1024 + 5, 1024 + 4 * 10**6 + 1]),
+                 f"{M}: its bytes do not match the checksum it records", id="flipped bits in the model"),
+    pytest.param(lambda ck: shutil.copyfile(ck / "model_00000002.bin", ck / "model_00000004.bin"),
+                 f"{M}: not the model file saved with {S}", id="a model file of another step"),
+    pytest.param(lambda ck: move_data_position(ck / "state_00000004.bin"),
+                 f"{S}: its bytes do not match the checksum", id="a moved data position"),
+    pytest.param(lambda ck: zero_payload(ck / "model_00000004.bin"),
+                 f"{M}: its bytes do not match the checksum", id="a model of zeros"),
+])
+def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one_and_resumes_bit_for_bit(shards, damage,
+                                                                                             problem):
+    """Each of these was once resumed as if nothing were wrong (a model of zeros: grad norm 0 forever)."""
+    full = step_losses(run_train(TINY + data_args() + ["-x", "6"], cwd=shards).stdout)
+    args = TINY + data_args() + ["-x", "6", "-n", "2", "-o", "ck"]
+    run_train(args, cwd=shards)
+    checkpoint.delete(shards / "ck", 6)   # as if the run had died after step 4's checkpoint
+    damage(shards / "ck")
+    out = run_train(args + ["-y", "1"], cwd=shards).stdout
+    warning = [line for line in out.splitlines() if line.startswith("WARNING")]
+    assert len(warning) == 1 and warning[0].startswith(
+        f"WARNING: skipping the damaged checkpoint at step 4, resuming from step 2: {problem}"), out
+    assert "resuming from checkpoint at step 2" in out and step_losses(out) == full[2:]
+    for step in (2, 4, 6):   # the run wrote 4 anew over the damaged files, and 6: all intact, each a pair
+        formats.read_model(checkpoint.model_path(shards / "ck", step))
+        state = formats.read_state(checkpoint.state_path(shards / "ck", step), P)
+        assert state["model_checksum"] == formats.model_checksum(checkpoint.model_path(shards / "ck", step))
+
+
+def test_when_every_checkpoint_is_damaged_the_newest_ones_problem_is_the_line(shards):
+    run_train(TINY + data_args() + ["-x", "4", "-n", "2", "-o", "ck"], cwd=shards)
+    for step in (2, 4):
+        zero_payload(shards / "ck" / f"model_{step:08d}.bin")
+    proc = run_train(TINY + data_args() + ["-x", "6", "-o", "ck", "-y", "1"], cwd=shards, check=False)
+    assert_one_line_error(proc, f"error: {M}: its bytes do not match the checksum it records")
+    assert proc.stderr.strip().endswith("the file is damaged; the 1 earlier checkpoint(s) are damaged too")
 
 
 def test_resume_with_another_seq_len_or_train_data_is_refused(shards):

@@ -102,9 +102,9 @@ def test_model_header_has_llmc_layout(tmp_path):
     path = tmp_path / "model.bin"
     formats.write_model(path, TINY, random_params())
     header = header_of(path)
-    # magic, version, maxT, V, L, NH, C, Vp, then zeros
+    # magic, version, maxT, V, L, NH, C, Vp, then zeros up to our run id and checksum (see the checksum tests)
     assert header[:8].tolist() == [20240326, 3, 16, 37, 2, 2, 16, 48]
-    assert not header[8:].any()
+    assert not header[8:252].any() and header[252:254].tolist() == [1, 0]
     assert os.path.getsize(path) == 1024 + 4 * 7616
     assert formats.read_model(path)[::2] == (TINY, 3)
 
@@ -493,3 +493,102 @@ def test_a_crashed_rewrite_keeps_the_old_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["model.bin"]
     monkeypatch.undo()
     assert formats.read_model(path)[1].tobytes() == params.tobytes()
+
+
+# ---------------------------------------------------------------------------------------------- checksums
+
+def flip_bits(path, byte_offsets, mask=0x10):
+    """Flip one bit in each of the bytes at `byte_offsets` of a file, in place."""
+    with open(path, "r+b") as f:
+        for offset in byte_offsets:
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ mask]))
+
+
+def drop_checksum(path):
+    """Zero header slots 250-255, as in a file llm.c wrote: no run id, no checksum."""
+    for slot in range(250, 256):
+        set_slot(path, slot, 0)
+
+
+def test_model_and_state_files_record_their_checksum_and_run_id(tmp_path):
+    """Slot 252 says xxh3_64, 254-255 hold it: the hash of the whole file with those two slots read as 0."""
+    import xxhash
+    path = tmp_path / "model.bin"
+    checksum = formats.write_model(path, TINY, random_params(), run_id=2**63 + 7)
+    header = header_of(path)
+    assert header[250:252].view("<u8")[0] == 2**63 + 7 and header[252] == 1
+    assert header[254:256].view("<u8")[0] == checksum == formats.model_checksum(path)
+    data = bytearray(path.read_bytes())
+    data[4 * 254:4 * 256] = bytes(8)
+    assert xxhash.xxh3_64(bytes(data)).intdigest() == checksum
+    path = tmp_path / "state.bin"
+    m, v, master = optimizer_state()
+    checksum = formats.write_state(path, step=3, num_processes=1, rng_state=0, loader_state=(0, 3), m=m, v=v,
+                                   model_checksum=2**64 - 1, run_id=5)
+    state = formats.read_state(path, 7616)
+    assert (state["checksum"], state["model_checksum"], state["run_id"]) == (checksum, 2**64 - 1, 5)
+    assert header_of(path)[48:50].view("<u8")[0] == 2**64 - 1
+
+
+@pytest.mark.parametrize("damage, where", [
+    (lambda path: flip_bits(path, [1024 + 4 * 100 + 2]), "one bit of a parameter"),
+    (lambda path: flip_bits(path, [4 * 100]), "one bit of an unused header slot"),
+    (lambda path: flip_bits(path, [4 * 255 + 3]), "one bit of the checksum itself"),
+    (lambda path: flip_bits(path, [4 * 252]), "the checksum's kind"),
+    (lambda path: set_slot(path, 252, 0), "the checksum's kind, zeroed"),
+])
+def test_a_model_file_that_does_not_match_its_checksum_is_refused(tmp_path, damage, where):
+    path = tmp_path / "model.bin"
+    formats.write_model(path, TINY, random_params(), version=5)
+    damage(path)
+    with raises(path, "the file is damaged"):
+        formats.read_model(path)
+
+
+@pytest.mark.parametrize("damage", [
+    lambda path: flip_bits(path, 1024 + 4 * np.arange(0, 2000, 2), mask=0x01),   # 1,000 words of m, low bits
+    lambda path: flip_bits(path, [1024 + 4 * 7616 + 4 * 50]),                     # one word of v
+    lambda path: set_slot(path, 32, 4),                                            # the data position
+    lambda path: set_slot(path, 10, 4),                                            # the step
+])
+def test_a_state_file_that_does_not_match_its_checksum_is_refused(tmp_path, damage):
+    """Each of these leaves values a run could have made: only the checksum tells them apart."""
+    path = tmp_path / "state.bin"
+    m, v, _ = optimizer_state()
+    formats.write_state(path, step=3, num_processes=1, rng_state=0, loader_state=(0, 3), m=m, v=v)
+    damage(path)
+    with raises(path, "its bytes do not match the checksum it records", "the file is damaged"):
+        formats.read_state(path, 7616)
+
+
+def test_files_without_a_checksum_load_as_llmc_wrote_them(tmp_path):
+    path = tmp_path / "model.bin"
+    params = random_params()
+    formats.write_model(path, TINY, params)
+    drop_checksum(path)
+    flip_bits(path, [1024 + 4 * 100 + 2])        # unseen without a checksum
+    assert formats.model_checksum(path) is None
+    assert (formats.read_model(path)[1] != params).sum() == 1
+    path = tmp_path / "state.bin"
+    m, v, _ = optimizer_state()
+    formats.write_state(path, step=3, num_processes=1, rng_state=0, loader_state=(0, 3), m=m, v=v)
+    drop_checksum(path)
+    state = formats.read_state(path, 7616)
+    assert state["m"].tobytes() == m.tobytes() and (state["model_checksum"], state["run_id"]) == (None, 0)
+
+
+@pytest.mark.parametrize("checksummed", [True, False])
+def test_a_model_of_zeros_is_refused(tmp_path, checksummed):
+    """A file zero-filled by a crash: every gradient would be 0 and the run would never move."""
+    path = tmp_path / "model.bin"
+    formats.write_model(path, TINY, random_params())
+    with open(path, "r+b") as f:
+        f.seek(1024)
+        f.write(bytes(4 * 7616))
+    if not checksummed:
+        drop_checksum(path)
+    with raises(path, "its bytes do not match the checksum" if checksummed else "every parameter is 0"):
+        formats.read_model(path)

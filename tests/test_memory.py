@@ -103,11 +103,12 @@ def test_a_step_and_a_checkpoint_add_no_more_than_counted(tmp_path, monkeypatch,
     loader, guard = DataLoader(str(tmp_path / "train.bin"), B, T), UpdateGuard()
     batch = loader.next_batch()
     model.activations(B, T)
+    out = checkpoint.OutputDir(str(tmp_path / "run"), resume=0, comm=comm)
     added = []
     tracemalloc.start()
     for work in (lambda: train_step(model, optimizer, [batch], 1e-3, 1, guard),
-                 lambda: checkpoint.save(str(tmp_path), 1, model, optimizer, loader, guard, comm),
-                 lambda: checkpoint.load(str(tmp_path), 1, model, optimizer, loader, guard)):
+                 lambda: out.save(1, model, optimizer, loader, guard, comm),
+                 lambda: checkpoint.load(str(tmp_path / "run"), 1, model, optimizer, loader, guard)):
         tracemalloc.reset_peak()
         before = tracemalloc.get_traced_memory()[0]
         work()

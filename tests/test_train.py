@@ -96,6 +96,25 @@ def test_keep_only_the_newest_checkpoints(shards):
         ["model_00000004.bin", "model_00000005.bin"]
 
 
+def done_steps(directory):
+    return sorted(int(f[5:]) for f in os.listdir(directory) if f.startswith("DONE_"))
+
+
+def test_keep_exactly_k_checkpoints_off_the_n_grid_and_across_a_resume(shards):
+    """-nk deleted only the checkpoint K*n steps back: the last step (off the -n grid) and a resume with
+    another -n left more than K."""
+    run_train(TINY + data_args() + ["-x", "5", "-n", "2", "-nk", "1", "-o", "a"], cwd=shards)
+    assert done_steps(shards / "a") == [5]
+    assert sorted(f for f in os.listdir(shards / "a") if f.endswith(".bin")) == ["model_00000005.bin",
+                                                                                 "state_00000005.bin"]
+    run_train(TINY + data_args() + ["-x", "4", "-n", "1", "-o", "b"], cwd=shards)
+    run_train(TINY + data_args() + ["-x", "9", "-n", "2", "-nk", "2", "-o", "b", "-y", "1"], cwd=shards)
+    assert done_steps(shards / "b") == [8, 9]
+    run_train(TINY + data_args() + ["-x", "12", "-n", "1", "-nk", "2", "-nm", "10", "-o", "b", "-y", "1"],
+              cwd=shards)
+    assert done_steps(shards / "b") == [10, 11, 12]   # 10 is a multiple of -nm: never deleted
+
+
 def test_plot_renders_main_log_to_a_png(shards):
     run_train(TINY + data_args() + ["-x", "3", "-v", "1", "-o", "out"], cwd=shards)
     proc = subprocess.run([sys.executable, "-m", "llm.plot", "out"], cwd=shards, env=env(), capture_output=True,

@@ -2,6 +2,7 @@
 import ast
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -78,6 +79,44 @@ def test_checkpoint_from_two_ranks_resumes_on_one_and_three(shards):
                         launcher=mpirun(n) if n > 1 else ()).stdout
         assert "resuming from checkpoint at step 4" in out
         np.testing.assert_allclose([float(x) for x in step_losses(out)], [float(x) for x in full[4:]], rtol=1e-5)
+
+
+def test_every_rank_falls_back_with_rank_0_past_a_damaged_checkpoint(shards):
+    args = TINY[:2] + ["-b", "3"] + TINY[4:] + data_args() + D + ["-z", "1", "-x", "6", "-n", "2", "-o", "ck"]
+    full = step_losses(run_train(args, cwd=shards, launcher=mpirun(2)).stdout)
+    checkpoint.delete(shards / "ck", 6)
+    with open(checkpoint.state_path(shards / "ck", 4), "r+b") as f:   # one word of m
+        f.seek(5000)
+        f.write(bytes(4))
+    out = run_train(args + ["-y", "1"], cwd=shards, launcher=mpirun(2)).stdout
+    assert "WARNING: skipping the damaged checkpoint at step 4, resuming from step 2: " in out
+    assert "resuming from checkpoint at step 2" in out and step_losses(out) == full[2:]
+
+
+@pytest.mark.parametrize("elsewhere", ["no -o", "another copy of -o"])
+def test_a_rank_that_sees_another_output_dir_stops_every_rank_with_one_line(shards, elsewhere):
+    """Rank 0 resumes; rank 1 runs where -o is missing (a node that does not see it: the job once hung
+    with no message) or holds a state file of other bytes (it once resumed elsewhere in the data)."""
+    args = TINY[:2] + ["-b", "3"] + TINY[4:] + data_args() + D + ["-z", "1", "-n", "2", "-o", "ck"]
+    run_train(args + ["-x", "2"], cwd=shards, launcher=mpirun(2))
+    node = shards / "node1"
+    os.makedirs(node)
+    os.symlink(shards / "data", node / "data")
+    if elsewhere == "another copy of -o":   # a checkpoint of a run with another -l: intact, other bytes
+        lr = args.index("-l") + 1
+        run_train(args[:lr] + ["2e-3"] + args[lr + 1:] + ["-x", "2"], cwd=node, launcher=mpirun(2))
+        size = os.path.getsize(checkpoint.model_path(node / "ck", 2))
+        problem = (rf"ck/model_00000002\.bin: {size} bytes, checksum [0-9a-f]{{16}} here, {size} bytes, "
+                   rf"checksum [0-9a-f]{{16}} on rank 0")
+    else:
+        problem = r"ck/model_00000002\.bin: no such file"
+    elsewhere_py = os.path.join(REPO, "tests", "mpi_elsewhere.py")
+    proc = subprocess.run(mpirun(2) + [sys.executable, elsewhere_py, str(node), *args, "-x", "4", "-y", "1"],
+                          cwd=shards, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert re.fullmatch(rf"rank 0: error: rank 1 cannot resume the checkpoint at step 2 as rank 0 does "
+                        rf"\({problem}\): every rank must see the same -o ck", proc.stderr.strip()), \
+        proc.stderr
 
 
 def test_killing_one_rank_stops_the_run_in_bounded_time(shards):
