@@ -1,25 +1,26 @@
 """A yardstick, not part of the project: the same GPT-2 training step in PyTorch with torch.compile, to be
 timed side by side with bench/step.py on the same GPU, model and batch. Needs torch (never a dependency).
 
-    python bench/torch_gpt2.py [--model d12] [-b 64] [-t 1024] [--steps 20] [--no-compile] [--sdpa cudnn|flash]
+    python -m bench.torch_gpt2 [--model d12] [-b 64] [-t 1024] [--steps 20] [--no-compile]
+                               [--sdpa cudnn|flash]
 
 bf16 autocast with fp32 weights (torch's usual mixed precision), causal scaled_dot_product_attention, tanh
 GELU, tied lm_head, fused AdamW with betas (0.9, 0.95), gradient clipping at 1.0: llm.c's step. Prints the
 median ms/step, tok/s and the peak memory (torch's allocator, and nvidia-smi sampled while it runs).
 """
-import os
 import statistics
-import sys
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from bench.gpu_memory import GpuMemoryPeak
+from llm.config import GPT2Config
+from llm.launch import Parser, run
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from llm.config import GPT2Config  # noqa: E402
-from llm.launch import Parser  # noqa: E402
-from gpu_memory import GpuMemoryPeak  # noqa: E402  (bench/, beside this file)
+try:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+except ImportError:
+    raise SystemExit("error: this yardstick needs PyTorch (pip install torch), which the project never needs")
 
 
 class Block(nn.Module):
@@ -56,7 +57,7 @@ class GPT(nn.Module):
         return F.cross_entropy(logits[..., :self.V].float().flatten(0, 1), targets.flatten())
 
 
-def main():
+def main(argv):
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="d12")
     parser.add_argument("-b", type=int, default=64)
@@ -64,7 +65,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--sdpa", choices=["default", "flash", "cudnn"], default="default")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     config = GPT2Config.from_descriptor(args.model)
     torch.manual_seed(0)
     model = GPT(config).cuda()
@@ -101,10 +102,11 @@ def main():
             times.append((time.perf_counter() - t0) * 1000)
     ms = statistics.median(times)
     mode = "eager" if args.no_compile else "torch.compile"
-    print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} {args.model} B={B} T={T} bf16: loss {loss:.4f} | "
-          f"median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | peak memory: nvidia-smi {peak.peak_mib} MiB, "
-          f"torch reserved {torch.cuda.max_memory_reserved() / 2**20:.0f} MiB")
+    print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} {args.model} B={B} T={T} bf16: "
+          f"loss {loss:.4f} | median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | peak memory: "
+          f"nvidia-smi {peak.peak_mib} MiB, torch reserved "
+          f"{torch.cuda.max_memory_reserved() / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

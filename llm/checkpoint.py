@@ -25,11 +25,12 @@ import re
 import socket
 
 from . import formats
+from .launch import UserError
 
 CHECKPOINT_FILE = re.compile(r"(?:model_|state_|DONE_)(\d{8})(?:\.bin)?")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """An output directory that cannot be used, or a checkpoint that cannot be written or resumed: one line."""
 
 

@@ -3,8 +3,6 @@
 Needs the local GPT-2 ranks and corpus: $GPT2_VOCAB and $TINYSHAKESPEARE, else ../shared/data beside the repo."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 
 from llm import formats
 from llm.tokenizer import Tokenizer, TokenizerFile
+from prep_scripts import run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(REPO, "..", "shared", "data")
@@ -25,12 +24,6 @@ needs_corpus = pytest.mark.skipif(not os.path.exists(CORPUS), reason=f"tiny Shak
                                   "(set TINYSHAKESPEARE to the corpus)")
 
 
-def run_script(name, args, cwd):
-    """Run data/<name>.py in `cwd`; return the CompletedProcess (text output)."""
-    return subprocess.run([sys.executable, os.path.join(REPO, "data", name), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
-
-
 def header(path):
     return np.fromfile(path, dtype="<i4", count=256)
 
@@ -42,10 +35,10 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def shakespeare(tmp_path_factory):
-    """Run data/tinyshakespeare.py once: the output paths and what it printed."""
+    """Run python -m data.tinyshakespeare once: the output paths and what it printed."""
     out = tmp_path_factory.mktemp("tinyshakespeare")
     tok = out / "gpt2_tokenizer.bin"
-    proc = run_script("tinyshakespeare.py", ["--input", CORPUS, "--vocab", VOCAB, "--out", str(out),
+    proc = run_script("tinyshakespeare", ["--input", CORPUS, "--vocab", VOCAB, "--out", str(out),
                                              "--tokenizer", str(tok)], cwd=out)
     assert proc.returncode == 0, proc.stderr
     return dict(train=out / "tiny_shakespeare_train.bin", val=out / "tiny_shakespeare_val.bin",
@@ -111,7 +104,7 @@ def test_tokenizer_file_decodes_exactly_as_tiktoken(shakespeare, tokenizer):
 
 def test_missing_input_is_one_line_and_exit_1(tmp_path):
     missing = tmp_path / "missing.txt"
-    proc = run_script("tinyshakespeare.py", ["--input", str(missing), "--out", str(tmp_path)], cwd=tmp_path)
+    proc = run_script("tinyshakespeare", ["--input", str(missing), "--out", str(tmp_path)], cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr == f"error: {missing}: no such file\n"
     assert os.listdir(tmp_path) == []
@@ -120,7 +113,7 @@ def test_missing_input_is_one_line_and_exit_1(tmp_path):
 @needs_corpus
 def test_missing_vocab_is_one_line_and_exit_1(tmp_path):
     missing = tmp_path / "gpt2.tiktoken"
-    proc = run_script("tinyshakespeare.py", ["--input", CORPUS, "--vocab", str(missing), "--out", str(tmp_path)],
+    proc = run_script("tinyshakespeare", ["--input", CORPUS, "--vocab", str(missing), "--out", str(tmp_path)],
                       cwd=tmp_path)
     assert proc.returncode == 1
     hint = "pass --vocab PATH to a gpt2.tiktoken file or set GPT2_VOCAB"
@@ -143,7 +136,7 @@ def test_hellaswag_examples_are_context_and_space_led_endings(tmp_path, tokenize
     jsonl = tmp_path / "hellaswag_val.jsonl"
     jsonl.write_text("".join(json.dumps(e) + "\n" for e in HELLASWAG))
     out = tmp_path / "hellaswag"
-    proc = run_script("hellaswag.py", ["--input", str(jsonl), "--vocab", VOCAB, "--out", str(out)], cwd=tmp_path)
+    proc = run_script("hellaswag", ["--input", str(jsonl), "--vocab", VOCAB, "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     path = out / "hellaswag_val.bin"
     assert f"writing 3 examples to {path}" in proc.stdout
@@ -162,6 +155,6 @@ def test_hellaswag_bad_line_names_the_line(tmp_path):
     jsonl = tmp_path / "hellaswag_val.jsonl"
     jsonl.write_text(json.dumps(HELLASWAG[0]) + "\n" + json.dumps({"ctx": "x", "label": 1}) + "\n")
     args = ["--input", str(jsonl), "--vocab", VOCAB, "--out", str(tmp_path)]
-    proc = run_script("hellaswag.py", args, cwd=tmp_path)
+    proc = run_script("hellaswag", args, cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr == f"error: {jsonl} line 2: not a HellaSwag example (KeyError: 'endings')\n"

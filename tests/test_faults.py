@@ -15,10 +15,8 @@ from llm import checkpoint, formats
 from llm.backends import gpu_missing
 from llm.config import GPT2Config
 from llm.weight_init import init_params
-from conftest import REPO, TINY, TRAIN, data_args, env, mpirun, needs_mpiexec, rank_pids, run_train
-
-sys.path.insert(0, REPO)
-import train_gpt2  # noqa: E402   (importing it installs nothing: that happens under __main__ only)
+import train_gpt2   # (importing it installs nothing: that happens under __main__ only)
+from conftest import REPO, TINY, TRAIN, data_args, env, mpirun, needs_mpiexec, rank_pids, run_train, step_losses
 
 P = 3385088   # d2c64h4's parameters
 
@@ -77,8 +75,9 @@ def test_checkpoint_flags_need_an_output_dir():
 
 
 def test_flags_that_are_fine_pass():
-    args = train_gpt2.parse_args(["-x", "-1", "-d", "-1", "-m", "-1", "-q", "0", "-l", "0", "-o", "out", "-y", "1"])
-    assert (args["x"], args["d"], args["m"], args["q"], args["l"], args["y"]) == (-1, -1, -1, 0.0, 0.0, 1)
+    s = train_gpt2.parse_args(["-x", "-1", "-d", "-1", "-m", "-1", "-q", "0", "-l", "0", "-o", "out", "-y", "1"])
+    assert (s.max_steps, s.total_batch_size, s.val_max_steps, s.final_learning_rate_frac, s.learning_rate,
+            s.resume) == (-1, -1, -1, 0.0, 0.0, 1)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -215,12 +214,12 @@ def test_a_model_with_its_own_vocab_samples_and_evaluates_with_its_own_eot(shard
 
 # ---------------------------------------------------------------------------------------------- the output dir
 
-def start_long_run(shards, out, extra=(), launcher=()):
+def start_long_run(shards, out, extra=(), launcher=(), steps=100000):
     """A run that would go on for a long time, started once its first step line is out."""
     log = open(shards / f"{out}.stdout", "w")
-    proc = subprocess.Popen([*launcher, sys.executable, TRAIN, *TINY, *data_args(), "-x", "100000", "-o", out,
-                             *extra], cwd=shards, env=env(), stdout=log, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen([*launcher, sys.executable, TRAIN, *TINY, *data_args(), "-x", str(steps), "-o", out,
+                             *extra], cwd=shards, env={**env(), "PYTHONUNBUFFERED": "1"}, stdout=log,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None and "step    2/" not in open(log.name).read():
         time.sleep(0.1)
@@ -341,8 +340,18 @@ def test_a_diverged_run_stops_after_max_nonfinite_steps_in_a_row(shards):
     proc = run_train(args + ["-x", "50"], cwd=shards, check=False)   # --max-nonfinite 5
     assert_one_line_error(proc, "error: stopping: 5 steps in a row had a non-finite loss or grad norm")
     assert proc.stdout.count("skipping update: non-finite") == 4 and "step    6/50" not in proc.stdout
-    out = run_train(args + ["-x", "8", "--max-nonfinite", "0"], cwd=shards).stdout   # 0: never stop
-    assert out.count("skipping update: non-finite") == 7
+    proc = run_train(args + ["-x", "8", "--max-nonfinite", "0"], cwd=shards, check=False)   # 0: never stop
+    assert proc.stdout.count("skipping update: non-finite") == 7
+    assert_one_line_error(proc, "error: the run ended with a non-finite loss (val nan, train nan)")   # but says so
+
+
+def test_a_run_that_ends_with_a_non_finite_loss_exits_non_zero(shards):
+    """Diverged in fewer steps than --max-nonfinite: the run once went on to its end and exited 0."""
+    args = TINY[:6] + ["-l", "1e30"] + TINY[8:] + data_args() + ["-x", "3"]
+    proc = run_train(args, cwd=shards, check=False)
+    assert proc.stdout.count("skipping update: non-finite") == 2 and "step    3/3" in proc.stdout
+    assert_one_line_error(proc, "error: the run ended with a non-finite loss (val nan, train nan): it diverged; "
+                                "lower -l, or resume from an earlier checkpoint")
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
@@ -368,13 +377,53 @@ def test_non_finite_loss_never_reaches_the_weights():
 
 # ---------------------------------------------------------------------------------------------- signals
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_stops_a_single_process_with_one_line(shards, sig):
     proc = start_long_run(shards, "out")
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 128 + sig
     assert stderr.strip() == f"stopped by {sig.name}"
+
+
+def test_sigusr1_writes_a_checkpoint_that_resumes_bit_for_bit(shards):
+    """Slurm's warning before it pre-empts a job (srun --signal=USR1@90): the step ends, a checkpoint is
+    written, and -y 1 goes on with the losses of the run that was never stopped."""
+    full = step_losses(run_train(TINY + data_args() + ["-x", "20"], cwd=shards).stdout)
+    proc = start_long_run(shards, "ck", steps=20)
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=60)
+    stopped = re.fullmatch(r"stopped by SIGUSR1 at step (\d+): its checkpoint is in ck, -y 1 resumes it\n", stderr)
+    assert proc.returncode == 128 + signal.SIGUSR1 and stopped, (proc.returncode, stderr)
+    step = int(stopped.group(1))
+    assert 2 <= step < 20 and checkpoint.latest_step(shards / "ck") == step
+    resumed = run_train(TINY + data_args() + ["-x", "20", "-o", "ck", "-y", "1"], cwd=shards).stdout
+    assert f"resuming from checkpoint at step {step}" in resumed
+    assert len(full) == 20 and step_losses(resumed) == full[step:]
+
+
+def test_sigusr1_without_an_output_dir_says_there_is_nothing_to_save(shards):
+    proc = subprocess.Popen([sys.executable, TRAIN, *TINY, *data_args(), "-x", "100000"], cwd=shards,
+                            env={**env(), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    while (line := proc.stdout.readline()) and not line.startswith("step    1/"):
+        pass
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGUSR1
+    assert stderr == "stopped by SIGUSR1: without -o there is nothing to save\n"
+
+
+@needs_mpiexec
+def test_sigusr1_to_one_rank_under_mpiexec_checkpoints_and_stops_every_rank(shards):
+    """The ranks agree at each step whether any of them got the signal: all write the checkpoint, all stop."""
+    proc = start_long_run(shards, "sig", ["-z", "1"], launcher=mpirun(2))
+    os.kill(rank_pids("sig", 1)[0], signal.SIGUSR1)
+    code, stderr, _ = wait_for_the_end(proc, "sig", timeout=60)
+    stopped = re.fullmatch(r"rank 0: stopped by SIGUSR1 at step (\d+): its checkpoint is in sig, -y 1 resumes it",
+                           stderr.strip())
+    assert code != 0 and stopped, (code, stderr)
+    assert checkpoint.latest_step(shards / "sig") == int(stopped.group(1))
 
 
 def wait_for_the_end(proc, marker, timeout=30):
@@ -448,21 +497,32 @@ def test_an_unexpected_exception_on_one_rank_prints_its_traceback_and_stops_ever
 
 
 def test_threads_per_rank_are_the_cores_shared_among_the_local_ranks(monkeypatch):
+    from threadpoolctl import threadpool_info, threadpool_limits
     from llm import launch
+
+    def blas_threads():
+        return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()   # nothing leaks into later tests
-                                        if k not in (*launch.THREAD_VARS, *launch.LOCAL_SIZE_VARS, *launch.YIELD_VARS)})
+                                        if k not in (*launch.THREAD_VARS, *launch.LOCAL_SIZE_VARS,
+                                                     *launch.YIELD_VARS)})
     monkeypatch.setattr(launch, "cores", lambda: 8)
-    os.environ["MPI_LOCALNRANKS"] = "3"                       # mpich's hydra
-    assert launch.threads_per_rank() == 2
-    os.environ["OMP_NUM_THREADS"] = "1"                       # what the user sets stays
-    launch.configure_threads()
-    assert os.environ["OPENBLAS_NUM_THREADS"] == "2" and os.environ["OMP_NUM_THREADS"] == "1"
-    assert not set(launch.YIELD_VARS) & set(os.environ)        # 3 ranks on 8 cores: waiting may spin
-    del os.environ["MPI_LOCALNRANKS"]
-    os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"] = "16"           # Open MPI, more ranks than cores
-    assert launch.threads_per_rank() == 1
-    launch.configure_threads()
-    assert all(os.environ[name] == value for name, value in launch.YIELD_VARS.items())
+    with threadpool_limits(5):   # BLAS's pools as they were, afterwards
+        os.environ["MPI_LOCALNRANKS"] = "3"                       # mpich's hydra
+        assert launch.threads_per_rank() == 2
+        launch.limit_threads()
+        assert blas_threads() == {2}                               # numpy's BLAS, sized after it loaded
+        assert not set(launch.YIELD_VARS) & set(os.environ)        # 3 ranks on 8 cores: waiting may spin
+        os.environ["OMP_NUM_THREADS"] = "1"                       # what the user sets stays: BLAS read it
+        threadpool_limits(5)
+        launch.limit_threads()
+        assert blas_threads() == {5}
+        del os.environ["MPI_LOCALNRANKS"], os.environ["OMP_NUM_THREADS"]
+        os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"] = "16"           # Open MPI, more ranks than cores
+        assert launch.threads_per_rank() == 1
+        launch.limit_threads()
+        assert blas_threads() == {1}
+        assert all(os.environ[name] == value for name, value in launch.YIELD_VARS.items())
 
 
 @needs_mpiexec

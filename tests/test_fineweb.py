@@ -23,7 +23,7 @@ TXT = "A whole file is one document.\n\nEven with blank lines in it.\n"
 
 
 def fineweb(args, cwd, block=NO_DATA_PACKAGES):
-    return run_script("fineweb.py", args, cwd, block)
+    return run_script("fineweb", args, cwd, block)
 
 
 def shard_names(out):

@@ -77,7 +77,7 @@ def hf_forward(t, x):
 
 
 def convert(args, cwd, block=()):
-    return run_script("gpt2.py", args, cwd, block)
+    return run_script("gpt2", args, cwd, block)
 
 
 @pytest.fixture(scope="module")

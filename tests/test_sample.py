@@ -99,8 +99,8 @@ def test_a_huge_token_count_is_cut_to_the_window():
     (["--seed", 0], "--seed 0: xorshift needs a seed that is not 0"),
     (["--backend", "tpu"], "unknown backend 'tpu'"),
     (["--bogus", 1], "unrecognized arguments: --bogus 1"),
-    (["-e", "gpt2_124M.bin"], "gpt2_124M.bin: no such file: python data/gpt2.py writes GPT-2's weights"),
-    (["--tokenizer", "gpt2_tokenizer.bin"], "gpt2_tokenizer.bin: no such file: `make data` or python data/gpt2.py"),
+    (["-e", "gpt2_124M.bin"], "gpt2_124M.bin: no such file: python -m data.gpt2 writes GPT-2's weights"),
+    (["--tokenizer", "gpt2_tokenizer.bin"], "gpt2_tokenizer.bin: no such file: `make data` or python -m data.gpt2"),
     (["--tokenizer", "model.bin"], "model.bin: bad magic 20240326"),
 ])
 def test_bad_input_is_one_line(files, args, message):

@@ -119,7 +119,7 @@ def test_hellaswag_eval_runs_when_its_file_exists(shards):
 
 def test_hellaswag_flag_without_its_file_says_so(shards):
     out = run_train(TINY + data_args() + ["-x", "1", "-h", "1"], cwd=shards).stdout
-    assert "| run hellaswag         | no" in out and "python data/hellaswag.py" in out
+    assert "| run hellaswag         | no" in out and "python -m data.hellaswag" in out
 
 
 def test_grad_norm_outliers_are_skipped_once_the_window_fills(shards):
