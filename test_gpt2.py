@@ -135,6 +135,13 @@ def main(argv):
         config, params, _ = formats.read_model(args.e)
         state = formats.read_debug_state(args.ds, config)
         x, y = state["x"], state["y"]
+        ids = np.concatenate([x.ravel(), y.ravel()])
+        if ids.min() < 0 or ids.max() >= config.vocab_size:
+            raise formats.FormatError(f"{args.ds}: token ids {ids.min()} to {ids.max()}, outside {args.e}'s "
+                                      f"vocab 0..{config.vocab_size - 1}: the debug state of another model?")
+        if x.shape[1] > config.max_seq_len:
+            raise formats.FormatError(f"{args.ds}: T={x.shape[1]} exceeds {args.e}'s max_seq_len "
+                                      f"{config.max_seq_len}: the debug state of another model?")
         print(f"[testing against {args.ds}: B={x.shape[0]} T={x.shape[1]}]")
     else:
         config = GPT2Config.from_descriptor(args.model)

@@ -19,12 +19,13 @@ BAD_INPUT = {
     "test_gpt2.py": (["test_gpt2.py", "--bogus"], "unrecognized arguments: --bogus"),
     "llm.sample": (["-m", "llm.sample", "-e", "missing.bin"], "missing.bin: no such file"),
     "llm.plot": (["-m", "llm.plot", "missing"], "missing/main.log: no such file"),
-    "data.tinyshakespeare": (["-m", "data.tinyshakespeare", "--input", "missing.txt"], "missing.txt: no such file"),
+    "data.tinyshakespeare": (["-m", "data.tinyshakespeare", "--input", "missing.txt"],
+                             "missing.txt: no such file"),
     "data.hellaswag": (["-m", "data.hellaswag", "--input", "missing.jsonl"], "missing.jsonl: no such file"),
     "data.fineweb": (["-m", "data.fineweb", "--input", "missing.txt"], "missing.txt: no such file"),
     "data.gpt2": (["-m", "data.gpt2", "--input", "missing"], "missing: no such file"),
     "bench.step": (["-m", "bench.step", "--model", "d7"], "unsupported GPT-2 depth 7"),
-    "bench.gpu_ops": (["-m", "bench.gpu_ops", "--reps", "many"], "argument --reps: invalid int value: 'many'"),
+    "bench.gpu_ops": (["-m", "bench.gpu_ops", "--reps", "many"], "--reps: invalid int value: 'many'"),
     "bench.torch_gpt2": (["-m", "bench.torch_gpt2", "--steps", "many"], ""),   # without torch: one line too
 }
 
@@ -75,8 +76,8 @@ def long_sample(tmp_path_factory):
     config = GPT2Config(vocab_size=96, padded_vocab_size=128, num_layers=2, num_heads=2, channels=32)
     formats.write_model(folder / "model.bin", config, init_params(config))
     formats.write_tokenizer(folder / "tokenizer.bin", [bytes([c]) for c in range(32, 127)] + [b"<eot>"], 95)
-    return folder, ["-m", "llm.sample", "-e", "model.bin", "--tokenizer", "tokenizer.bin", "--backend", "numpy",
-                    "-n", "1000"]
+    return folder, ["-m", "llm.sample", "-e", "model.bin", "--tokenizer", "tokenizer.bin",
+                    "--backend", "numpy", "-n", "1000"]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
@@ -102,7 +103,8 @@ def train_args(steps):
 
 
 def test_training_into_head_stops_with_one_line(shards):
-    """`| head -1` closes the pipe after the first line: once a BrokenPipeError traceback, at the next print."""
+    """`| head -1` closes the pipe after the first line: once a BrokenPipeError traceback, at the next
+    print."""
     command = " ".join(train_args(200)) + " | head -1; exit ${PIPESTATUS[0]}"
     proc = subprocess.run(["bash", "-c", command], cwd=shards, env=env(), capture_output=True, text=True,
                           timeout=300)
@@ -151,7 +153,8 @@ def test_help_is_shown_for_h_alone_help_and_dash_help(tmp_path):
     for flag in ("-h", "--help", "-help"):
         proc = python([TRAIN, flag], cwd=tmp_path)
         assert proc.returncode == 0 and proc.stderr == ""
-        assert proc.stdout.startswith("Usage: python train_gpt2.py") and "  -h              HellaSwag" in proc.stdout
+        assert proc.stdout.startswith("Usage: python train_gpt2.py")
+        assert "  -h              HellaSwag" in proc.stdout
 
 
 def test_a_repeated_flag_and_a_warmup_longer_than_the_run_get_a_warning_line(shards):

@@ -1,6 +1,8 @@
-"""GPT-2 BPE and the data scripts: tiny Shakespeare shards identical to llm.c's, gpt2_tokenizer.bin, HellaSwag.
+"""GPT-2 BPE and the data scripts: tiny Shakespeare shards identical to llm.c's, gpt2_tokenizer.bin,
+HellaSwag.
 
-Needs the local GPT-2 ranks and corpus: $GPT2_VOCAB and $TINYSHAKESPEARE, else ../shared/data beside the repo."""
+Needs the local GPT-2 ranks and corpus: $GPT2_VOCAB and $TINYSHAKESPEARE, else ../shared/data beside the
+repo."""
 import json
 import os
 from pathlib import Path
@@ -10,18 +12,15 @@ import pytest
 
 from llm import formats
 from llm.tokenizer import Tokenizer, TokenizerFile
-from prep_scripts import run_script
+from conftest import REPO
+from prep_scripts import VOCAB, needs_vocab, run_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(REPO, "..", "shared", "data")
-VOCAB = os.environ.get("GPT2_VOCAB") or os.path.join(SHARED, "gpt2.tiktoken")
 CORPUS = os.environ.get("TINYSHAKESPEARE") or os.path.join(SHARED, "tinyshakespeare.txt")
 EOT = 50256
 
-needs_vocab = pytest.mark.skipif(not os.path.exists(VOCAB), reason=f"GPT-2 ranks not found at {VOCAB} "
-                                 "(set GPT2_VOCAB to a gpt2.tiktoken file)")
-needs_corpus = pytest.mark.skipif(not os.path.exists(CORPUS), reason=f"tiny Shakespeare not found at {CORPUS} "
-                                  "(set TINYSHAKESPEARE to the corpus)")
+needs_corpus = pytest.mark.skipif(not os.path.exists(CORPUS), reason=f"tiny Shakespeare not found at "
+                                  f"{CORPUS} (set TINYSHAKESPEARE to the corpus)")
 
 
 def header(path):
@@ -70,7 +69,7 @@ def test_tinyshakespeare_gives_llmc_shards_of_305260_train_and_32768_val_tokens(
 @needs_vocab
 @needs_corpus
 def test_every_section_is_eot_then_its_text_with_its_blank_line(shakespeare, tokenizer):
-    tokens = np.concatenate([formats.read_shard(shakespeare["val"]), formats.read_shard(shakespeare["train"])])
+    tokens = np.concatenate([formats.read_shard(shakespeare[split]) for split in ("val", "train")])
     assert tokens[0] == EOT
     starts = np.flatnonzero(tokens == EOT)   # the text itself never encodes to EOT
     documents = [tokenizer.decode(d[1:].tolist()) for d in np.split(tokens, starts[1:])]
@@ -121,13 +120,15 @@ def test_missing_vocab_is_one_line_and_exit_1(tmp_path):
 
 
 HELLASWAG = [
-    {"ind": 24, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.", "ctx_b": "he",
+    {"ind": 24, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.",
+     "ctx_b": "he",
      "ctx": "A man is sitting on a roof. he", "split": "val", "split_type": "indomain", "label": 3,
      "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
                  "is holding a rubik's cube.", "starts pulling up roofing on a roof."]},
     {"ind": 92, "ctx": "A woman is outside with a bucket and a dog.", "label": 0,
      "endings": ["She rinses the bucket off.", "She jumps in.", "She paints.", "She leaves."]},
-    {"ind": 106, "ctx": "Two people play tennis", "label": 2, "endings": ["well", "badly", "all day", "at night"]},
+    {"ind": 106, "ctx": "Two people play tennis", "label": 2,
+     "endings": ["well", "badly", "all day", "at night"]},
 ]
 
 

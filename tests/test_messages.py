@@ -14,7 +14,8 @@ from conftest import REPO, TINY, data_args, env, run_train
 
 
 def one_line_error(proc):
-    """The process failed with exit status 1 and printed one line, "error: ...", and no traceback: that line."""
+    """The process failed with exit status 1 and printed one line, "error: ...", and no traceback: that
+    line."""
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     return proc.stderr
