@@ -259,7 +259,7 @@ def main(argv):
         log0(f"note: -f {settings.override_enable_tf32} has no effect: TF32 applies to fp32 matmuls on the "
              f"GPU only")
     out = OutputDir(settings.output_log_dir, resume=settings.resume, comm=comm)   # locked for this run
-    # SIGUSR1, Slurm's notice before it pre-empts the job: with -o, a checkpoint after this step, then stop
+    # SIGUSR1, Slurm's warning before it ends the job: with -o, a checkpoint after this step, then stop
     preemption = launch.Preemption(can_save=bool(settings.output_log_dir),
                                    why_not=": without -o there is nothing to save")
     np.seterr(all="ignore")   # a non-finite loss or norm is the guard's to report, in one line a step

@@ -143,7 +143,7 @@ def _on_signal(signum, frame, why=""):
     stop(f"stopped by {signal.Signals(signum).name}{why}", 128 + signum)
 
 
-# Ctrl-C, kill's default, a closed terminal or ssh session, and Slurm's warning before pre-emption
+# Ctrl-C, kill's default, a closed terminal or ssh session, and Slurm's warning before it ends a job
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
@@ -165,22 +165,22 @@ def worker_signals():
 
 
 class Preemption:
-    """SIGUSR1, which Slurm sends before it pre-empts a job (srun --signal=USR1@90): the trainer finishes
-    its step, writes a checkpoint and stops, so that -y 1 resumes the job. With nothing to save (no -o),
-    the signal stops the run at once, with a line that says why nothing was saved.
+    """SIGUSR1, Slurm's warning before it ends a job (srun --signal=USR1@90): the trainer finishes its step,
+    writes a checkpoint and stops, so that -y 1 resumes the job. With nothing to save (no -o), the signal
+    stops the run at once, with a line that says why nothing was saved.
 
     The signal may reach some ranks and not others: requested(comm) is a collective that every rank calls
     at the same point of each step, and that tells them all whether any rank got it."""
 
     def __init__(self, can_save, why_not=""):
-        self.signalled = False
+        self.can_save, self.signalled = can_save, False
         signal.signal(signal.SIGUSR1, self._remember if can_save else partial(_on_signal, why=why_not))
 
     def _remember(self, signum, frame):
         self.signalled = True
 
     def requested(self, comm):
-        return comm.scalar_sum(self.signalled) > 0
+        return self.can_save and comm.scalar_sum(self.signalled) > 0
 
 
 class UserError(ValueError):
