@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 
 data: $(DATA)
 $(DATA): $(VENV)/.installed
-	$(PY) data/tinyshakespeare.py
+	$(PY) -m data.tinyshakespeare
 
 # a 4-layer, 256-channel GPT-2 (~16M parameters, most in wte) for about two minutes on 2 cores; the model
 # of the last step goes to log_train/model_00000250.bin, for python -m llm.sample. The tests run this
@@ -40,7 +40,7 @@ test: setup
 	$(PY) test_gpt2.py
 
 bench: setup
-	$(PY) bench/step.py --backend numpy
+	$(PY) -m bench.step --backend numpy
 
 clean:
 	rm -rf $(VENV) data/tinyshakespeare log_train

@@ -2,22 +2,21 @@
 
   python test_gpt2.py                               a small random model vs reference/ in float64
   python test_gpt2.py --backend cupy --precision bf16
-  python test_gpt2.py -e gpt2_124M.bin -ds gpt2_124M_debug_state.bin   vs llm.c's own files (PyTorch's numbers)
+  python test_gpt2.py -e gpt2_124M.bin -ds gpt2_124M_debug_state.bin   vs llm.c's files (PyTorch's numbers)
 
 It compares the logits, the loss and all 16 parameter gradients of one batch, then trains 10 AdamW steps
 on that batch and compares the losses. One OK / NOT OK line per check, then `overall okay: 1` (or 0);
 the exit code is non-zero on failure.
 """
 import os
-import sys
 
 import numpy as np
 
-from llm import formats
+from llm import formats, launch
 from llm.backends import get_backend
 from llm.comm import SingleComm
-from llm.launch import Parser
 from llm.config import WEIGHTS_HINT, GPT2Config
+from llm.launch import Parser, UserError
 from llm.layout import PARAM_NAMES, ParamViews
 from llm.model import GPT2
 from llm.outliers import UpdateGuard
@@ -28,14 +27,16 @@ from reference import gpt2 as ref
 
 # llm.c's test_gpt2.cu losses for GPT-2 124M on its debug-state batch: AdamW lr 1e-4, betas (0.9, 0.95),
 # weight decay 0, clipping at 1.0
-LLMC_LOSSES = [5.270009, 4.060681, 3.320085, 2.717550, 2.181066, 1.653923, 1.168050, 0.736873, 0.401021, 0.187493]
+LLMC_LOSSES = [5.270009, 4.060681, 3.320085, 2.717550, 2.181066,
+               1.653923, 1.168050, 0.736873, 0.401021, 0.187493]
 LR, STEPS = 1e-4, 10
 
 # tolerances: logits, loss, per-step losses, and grads passing |got - want| <= grad_abs + grad_rel * |want|
 TOLERANCES = {
     "fp32": dict(logits=1e-4, loss=1e-5, losses=1e-4, grad_abs=1e-5, grad_rel=1e-3),   # vs float64: tight
     "llmc": dict(logits=1e-2, loss=1e-2, losses=1e-2, grad_abs=2e-2, grad_rel=0.0),    # test_gpt2.c's fp32
-    "gpu_fp32": dict(logits=1e-3, loss=1e-5, losses=1e-5, grad_abs=1e-6, grad_rel=0.079),  # test_gpt2.cu's fp32
+    # test_gpt2.cu's fp32
+    "gpu_fp32": dict(logits=1e-3, loss=1e-5, losses=1e-5, grad_abs=1e-6, grad_rel=0.079),
     "bf16": dict(logits=25.0, loss=0.05, losses=0.05, grad_abs=None, grad_rel=0.079),  # test_gpt2.cu's bf16
 }
 # llm.c's per-tensor bf16 gradient thresholds (test_gpt2.cu)
@@ -106,7 +107,7 @@ def compare(config, got, want, got_losses, want_losses, tolerance):
     return okay
 
 
-def main():
+def main(argv):
     parser = Parser(description="Check llm/'s GPT-2 against reference/ or llm.c's debug state.")
     parser.add_argument("-e", help="llm.c model checkpoint (.bin) to test with; needs -ds")
     parser.add_argument("-ds", help="llm.c debug state file (x, y, logits, loss, grads from PyTorch)")
@@ -117,41 +118,45 @@ def main():
     parser.add_argument("--attention", default="auto", choices=["auto", "cudnn"],
                         help="default: flash attention on the GPU in bf16; cudnn: cuDNN's fused attention")
     parser.add_argument("--cuda-graph", type=int, default=1, choices=[0, 1],
-                        help="replay the forward and backward as CUDA graphs (cupy in bf16), as training does")
+                        help="replay the forward and backward as CUDA graphs (cupy in bf16), as training "
+                             "does")
     parser.add_argument("--model", default="d2c64h4", help="descriptor of the random model (default d2c64h4)")
-    args = parser.parse_args()
-    try:
-        if bool(args.e) != bool(args.ds):
-            raise ValueError("-e and -ds go together: a model file and the debug state written with it")
-        backend = get_backend(args.backend, args.precision, allow_tf32=False,   # fp32 means fp32 here
-                              attention=args.attention, cuda_graph=bool(args.cuda_graph))
-        if args.e:
-            if not os.path.exists(args.e):
-                raise formats.FormatError(f"{args.e}: no such file: {WEIGHTS_HINT}")
-            if not os.path.exists(args.ds):
-                raise formats.FormatError(f"{args.ds}: no such file: llm.c's train_gpt2.py writes it "
-                                          f"(or its dev/download_starter_pack.sh downloads it)")
-            config, params, _ = formats.read_model(args.e)
-            state = formats.read_debug_state(args.ds, config)
-            x, y = state["x"], state["y"]
-            print(f"[testing against {args.ds}: B={x.shape[0]} T={x.shape[1]}]")
-        else:
-            config = GPT2Config.from_descriptor(args.model)
-            params = init_params(config)
-            rng = np.random.default_rng(1234)
-            x = rng.integers(0, config.vocab_size, (4, 32), dtype=np.int32)
-            y = rng.integers(0, config.vocab_size, (4, 32), dtype=np.int32)
-            print(f"[testing {args.model} ({config.num_parameters} parameters), B=4 T=32, "
-                  f"{backend.name} {backend.precision} vs reference/ in float64]")
-    except (formats.FormatError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    args = parser.parse_args(argv)
+    if bool(args.e) != bool(args.ds):
+        raise UserError("-e and -ds go together: a model file and the debug state written with it")
+    backend = get_backend(args.backend, args.precision, allow_tf32=False,   # fp32 means fp32 here
+                          attention=args.attention, cuda_graph=bool(args.cuda_graph))
+    if args.e:
+        if not os.path.exists(args.e):
+            raise formats.FormatError(f"{args.e}: no such file: {WEIGHTS_HINT}")
+        if not os.path.exists(args.ds):
+            raise formats.FormatError(f"{args.ds}: no such file: llm.c's train_gpt2.py writes it "
+                                      f"(or its dev/download_starter_pack.sh downloads it)")
+        config, params, _ = formats.read_model(args.e)
+        state = formats.read_debug_state(args.ds, config)
+        x, y = state["x"], state["y"]
+        ids = np.concatenate([x.ravel(), y.ravel()])
+        if ids.min() < 0 or ids.max() >= config.vocab_size:
+            raise formats.FormatError(f"{args.ds}: token ids {ids.min()} to {ids.max()}, outside {args.e}'s "
+                                      f"vocab 0..{config.vocab_size - 1}: the debug state of another model?")
+        if x.shape[1] > config.max_seq_len:
+            raise formats.FormatError(f"{args.ds}: T={x.shape[1]} exceeds {args.e}'s max_seq_len "
+                                      f"{config.max_seq_len}: the debug state of another model?")
+        print(f"[testing against {args.ds}: B={x.shape[0]} T={x.shape[1]}]")
+    else:
+        config = GPT2Config.from_descriptor(args.model)
+        params = init_params(config)
+        rng = np.random.default_rng(1234)
+        x = rng.integers(0, config.vocab_size, (4, 32), dtype=np.int32)
+        y = rng.integers(0, config.vocab_size, (4, 32), dtype=np.int32)
+        print(f"[testing {args.model} ({config.num_parameters} parameters), B=4 T=32, "
+              f"{backend.name} {backend.precision} vs reference/ in float64]")
 
     got, got_losses = trainer_run(config, params, x, y, STEPS, backend)
     if args.e:
         want = (state["logits"], float(state["loss"]), dict(ParamViews(state["grads"], config)))
-        is_gpt2_124m = config.num_parameters == 124475904 and x.shape == (4, 64)
-        want_losses = LLMC_LOSSES if is_gpt2_124m else reference_run(config, params, x, y, STEPS)[1]
+        is_llmc_batch = config == GPT2Config() and x.shape == (4, 64)   # GPT-2 124M on llm.c's debug batch
+        want_losses = LLMC_LOSSES if is_llmc_batch else reference_run(config, params, x, y, STEPS)[1]
     else:
         want, want_losses = reference_run(config, params, x, y, STEPS)
     tolerance = "bf16" if backend.precision == "bf16" else "llmc" if args.e else \
@@ -162,4 +167,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launch.run(main)

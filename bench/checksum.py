@@ -1,28 +1,26 @@
 """What a checkpoint's checksums cost: xxh3_64 over the bytes of a model file and a state file, against
 writing and reading those files (llm/formats.py computes the checksum on write and verifies it on read).
 
-    python bench/checksum.py                 GPT-2 124M (d12): a 498 MB fp32 model, a 996 MB state (m, v)
+    python -m bench.checksum                 GPT-2 124M (d12): a 498 MB fp32 model, a 996 MB state (m, v)
     options: --model d12 --master 1 (the state holds master weights too) --dir DIR (where to write)
              --repeats 3
 
 Prints, for each file, its size, the checksum's time (the best of --repeats) and its speed, and the time to
 write the file (synced to disk, checksum included) and to read it back (verified); then the checksums' share
-of a checkpoint's write. Compare the checksum time with one training step (bench/step.py) divided by the
+of a checkpoint's write. Compare the checksum time with one training step (bench.step) divided by the
 steps between checkpoints (-n).
 """
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 import xxhash
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run from a checkout
-from llm import formats  # noqa: E402
-from llm.config import GPT2Config  # noqa: E402
-from llm.launch import Parser  # noqa: E402
-from llm.weight_init import init_params  # noqa: E402
+from llm import formats
+from llm.config import GPT2Config
+from llm.launch import Parser, run
+from llm.weight_init import init_params
 
 
 def best_seconds(fn, repeats):
@@ -34,13 +32,13 @@ def best_seconds(fn, repeats):
     return min(times)
 
 
-def main():
+def main(argv):
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="d12")
     parser.add_argument("--master", type=int, default=0, choices=(0, 1))
     parser.add_argument("--dir", default=None, help="where to write the files (default: a temporary directory)")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     config = GPT2Config.from_descriptor(args.model)
     P = config.num_parameters
     params = init_params(config)
@@ -74,4 +72,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -11,8 +11,8 @@ class GpuMemoryPeak:
         self.device, self.peak_mib = str(device), None
 
     def __enter__(self):
-        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                      "-lms", "50", "-i", self.device],
+        self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used",
+                                      "--format=csv,noheader,nounits", "-lms", "50", "-i", self.device],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         return self
 

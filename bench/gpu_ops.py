@@ -5,23 +5,23 @@ events, behind a short spin kernel so that the host queues the reps ahead of the
 gaps stay out of the numbers. The table gives the median per op, the bytes it must move over that time
 and, for matmuls and attention, TFLOP/s. The last lines add the ops up into one d12 training step at this B.
 
-Usage: python bench/gpu_ops.py [--precision bf16|fp32] [--reps 20] [--B 8]
+Usage: python -m bench.gpu_ops [--precision bf16|fp32] [--reps 20] [--B 8]
 """
-import os
 import statistics
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from llm.backends import BackendError, gpu_missing
+from llm.config import GPT2Config
+from llm.launch import Parser, run
 
-import cupy  # noqa: E402
-
-from llm.backends.attention import FlashAttention  # noqa: E402
-from llm.backends.cupy_backend import CupyBackend  # noqa: E402
-from llm.config import GPT2Config  # noqa: E402
-from llm.launch import Parser  # noqa: E402
-from reference.adamw import BETA1, BETA2, EPS  # noqa: E402
+try:
+    import cupy
+    from llm.backends.attention import FlashAttention
+    from llm.backends.cupy_backend import CupyBackend
+except ImportError:   # main() says so in one line
+    cupy = None
+from reference.adamw import BETA1, BETA2, EPS
 
 SPIN = r'''
 extern "C" __global__ void spin(long long cycles) {
@@ -45,12 +45,14 @@ def time_op(fn, reps, spin):
     return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in events)
 
 
-def main():
+def main(argv):
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--B", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if missing := gpu_missing():
+        raise BackendError(missing)
 
     be = CupyBackend(args.precision)
     d12 = GPT2Config()
@@ -142,4 +144,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

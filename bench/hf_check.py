@@ -2,7 +2,7 @@
 GPT2LMHeadModel and AutoTokenizer offline, gives our logits and tiktoken's token ids. Needs torch and
 transformers (never dependencies); bench/gpu_check.sh's stage hf runs it.
 
-    python bench/hf_check.py [-e MODEL.bin] [--vocab gpt2.tiktoken] [--tol 1e-4]
+    python -m bench.hf_check [-e MODEL.bin] [--vocab gpt2.tiktoken] [--tol 1e-4]
 
 A random model (L=2, C=64, NH=4, maxT=64, every parameter drawn, so a misplaced tensor shows) and, with -e,
 a checkpoint of yours (or a run's -o directory) are exported in fp32 and in bf16. For each, transformers
@@ -11,7 +11,6 @@ the folder holds (rounded to bf16 for the bf16 export); the largest difference m
 tokenizer must encode each text as tiktoken does. Exit status 1 if anything differs.
 """
 import os
-import sys
 import tempfile
 
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")   # the folder alone, no download
@@ -19,14 +18,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoTokenizer, GPT2LMHeadModel  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llm import export, formats  # noqa: E402
 from llm.backends import get_backend  # noqa: E402
-from llm.checkpoint import CheckpointError, find_model  # noqa: E402
+from llm.checkpoint import find_model  # noqa: E402
 from llm.config import GPT2Config  # noqa: E402
-from llm.launch import Parser  # noqa: E402
+from llm.launch import Parser, run  # noqa: E402
 from llm.model import GPT2  # noqa: E402
-from llm.tokenizer import Tokenizer, TokenizerError  # noqa: E402
+from llm.tokenizer import Tokenizer  # noqa: E402
 
 RANDOM = GPT2Config(max_seq_len=64, num_layers=2, num_heads=4, channels=64)
 B, T = 2, 64
@@ -65,13 +63,13 @@ def tokenizer_differences(folder, tiktoken):
     return [text for text in TEXTS if hf(text)["input_ids"] != tiktoken.encode(text)]
 
 
-def main():
+def main(argv):
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("-e", help="a model checkpoint .bin (or a run's -o directory) to check as well")
     parser.add_argument("--vocab", help="GPT-2's BPE ranks, a gpt2.tiktoken file (default: $GPT2_VOCAB, else "
                                         "tiktoken's download)")
     parser.add_argument("--tol", type=float, default=1e-4, help="the largest logit difference allowed")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     tiktoken = Tokenizer(args.vocab)
     vocab = ["--vocab", args.vocab] if args.vocab else []
@@ -94,12 +92,8 @@ def main():
                 print(f"  AutoTokenizer: {len(TEXTS) - len(bad)}/{len(TEXTS)} texts encoded as tiktoken does")
                 failures += [f"{label} tokenizer: {text!r}" for text in bad]
     print("hf check:", "OK" if not failures else "FAILED: " + "; ".join(failures))
-    sys.exit(1 if failures else 0)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (export.ExportError, CheckpointError, formats.FormatError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run(main)

@@ -1,37 +1,34 @@
 """Training speed: llm/step.py's train_step (forward, backward, norm, clip, AdamW) on either backend, and
 where one step's time goes.
 
-    python bench/step.py --backend numpy            GPT-2 124M, B=4, T=64 on the CPU
-    python bench/step.py --backend cupy             GPT-2 124M, B=64, T=1024, bf16 on the GPU
+    python -m bench.step --backend numpy            GPT-2 124M, B=4, T=64 on the CPU
+    python -m bench.step --backend cupy             GPT-2 124M, B=64, T=1024, bf16 on the GPU
     options: --model d12 -b B -t T --precision bf16|fp32 --steps 6 -r 1 --attention auto|cudnn
              --cuda-graph 1|0
 
 Prints each step's time, the median as `median 1234.5 ms/step`, tok/s and MFU (llm.c's FLOPs per token
 against the device's peak, where known), memory on the GPU (the pool, and the peak that nvidia-smi saw
-while the steps ran), then a table of one step's time per backend op (that step runs without CUDA graphs, so that each op
-can be timed on its own).
+while the steps ran), then a table of one step's time per backend op (that step runs without CUDA graphs,
+so that each op can be timed on its own).
 """
 import contextlib
-import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run from a checkout
-from llm.backends import BackendError, get_backend  # noqa: E402
-from llm.comm import SingleComm  # noqa: E402
-from llm import memory  # noqa: E402
-from llm.config import ConfigError, GPT2Config  # noqa: E402
-from llm.launch import Parser  # noqa: E402
-from llm.model import GPT2  # noqa: E402
-from llm.outliers import UpdateGuard  # noqa: E402
-from llm.step import train_step  # noqa: E402
-from llm.weight_init import init_params  # noqa: E402
-from llm.zero import ZeroOptimizer  # noqa: E402
-from gpu_memory import GpuMemoryPeak  # noqa: E402  (bench/, beside this file)
+from bench.gpu_memory import GpuMemoryPeak
+from llm import memory
+from llm.backends import get_backend
+from llm.comm import SingleComm
+from llm.config import GPT2Config
+from llm.launch import Parser, run
+from llm.model import GPT2
+from llm.outliers import UpdateGuard
+from llm.step import train_step
+from llm.weight_init import init_params
+from llm.zero import ZeroOptimizer
 
 OPS = ("encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
        "layernorm_backward", "matmul_forward", "matmul_backward", "matmul_gelu_forward", "matmul_gelu_backward",
@@ -78,13 +75,15 @@ class OpTimer:
             counts[name] += 1
         self.records.clear()
         whole = sum(totals.values())
-        lines = [f"per-op time of one step ({whole:.2f} ms in ops):", f"{'op':<22}{'calls':>6}{'ms':>10}{'share':>8}"]
+        lines = [f"per-op time of one step ({whole:.2f} ms in ops):",
+                 f"{'op':<22}{'calls':>6}{'ms':>10}{'share':>8}"]
         for name in sorted(totals, key=totals.get, reverse=True):
-            lines.append(f"{name:<22}{counts[name]:>6}{totals[name]:>10.2f}{100 * totals[name] / whole:>7.1f}%")
+            share = 100 * totals[name] / whole
+            lines.append(f"{name:<22}{counts[name]:>6}{totals[name]:>10.2f}{share:>7.1f}%")
         return "\n".join(lines)
 
 
-def main():
+def main(argv):
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
@@ -95,22 +94,14 @@ def main():
     parser.add_argument("-r", type=int, default=1, help="recompute: 0 none, 1 GELU, 2 GELU and layernorms")
     parser.add_argument("--attention", default="auto", choices=["auto", "cudnn"])
     parser.add_argument("--cuda-graph", type=int, default=1, choices=[0, 1],
-                        help="replay the forward and backward as CUDA graphs (cupy in bf16), as training does")
-    args = parser.parse_args()
-    try:
-        backend = get_backend(args.backend, args.precision, attention=args.attention,
-                              cuda_graph=bool(args.cuda_graph))
-    except BackendError as e:   # no GPU, no cupy: one line, as the other commands
-        sys.exit(f"error: {e}")
+                        help="replay the forward and backward as CUDA graphs (cupy in bf16), as training "
+                             "does")
+    args = parser.parse_args(argv)
+    backend = get_backend(args.backend, args.precision, attention=args.attention, cuda_graph=bool(args.cuda_graph))
     B, T = args.b or DEFAULT_BT[backend.name][0], args.t or DEFAULT_BT[backend.name][1]
-    try:
-        config = GPT2Config.from_descriptor(args.model)
-        memory.check(memory.needed(backend, config, [(B, T)], args.r), backend.memory_available(), ADVICE)
-        bench(args, backend, config, B, T)
-    except (ConfigError, memory.NotEnoughMemory) as e:
-        sys.exit(f"error: {e}")
-    except MemoryError as e:
-        sys.exit(f"error: {memory.out_of_memory(e, ADVICE)}")
+    config = GPT2Config.from_descriptor(args.model)
+    memory.check(memory.needed(backend, config, [(B, T)], args.r), backend.memory_available(), ADVICE)
+    bench(args, backend, config, B, T)
 
 
 def bench(args, backend, config, B, T):
@@ -161,4 +152,4 @@ def bench(args, backend, config, B, T):
 
 
 if __name__ == "__main__":
-    main()
+    run(main, memory_advice=ADVICE)

@@ -1,8 +1,8 @@
 """A yardstick, not part of the project: the same GPT-2 training step in PyTorch with torch.compile, to be
 timed side by side with bench/step.py on the same GPU, model and batch. Needs torch (never a dependency).
 
-    python bench/torch_gpt2.py [--model d12] [-b 64] [-t 1024] [--steps 20] [--no-compile] [--sdpa cudnn|flash]
-                               [--loss padded|sliced]
+    python -m bench.torch_gpt2 [--model d12] [-b 64] [-t 1024] [--steps 20] [--no-compile]
+                               [--sdpa cudnn|flash] [--loss padded|sliced]
 
 Written as nanoGPT's model.py writes it, which is how users run it: bf16 autocast with fp32 weights, causal
 scaled_dot_product_attention, tied lm_head, N(0, 0.02) init, and the cross-entropy over all Vp = 50,304
@@ -11,19 +11,19 @@ that costs torch 8-10% more). GELU is llm.c's tanh form, fused AdamW with betas 
 clipping at 1.0: llm.c's step. Prints the median ms/step, tok/s and the peak memory (torch's allocator, and
 nvidia-smi sampled while it runs).
 """
-import os
 import statistics
-import sys
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from bench.gpu_memory import GpuMemoryPeak
+from llm.config import GPT2Config
+from llm.launch import Parser, run
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from llm.config import GPT2Config  # noqa: E402
-from llm.launch import Parser  # noqa: E402
-from gpu_memory import GpuMemoryPeak  # noqa: E402  (bench/, beside this file)
+try:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+except ImportError:
+    raise SystemExit("error: this yardstick needs PyTorch (pip install torch), which the project never needs")
 
 
 class Block(nn.Module):
@@ -67,7 +67,7 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())   # nanoGPT: all Vp columns
 
 
-def main():
+def main(argv):
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="d12")
     parser.add_argument("-b", type=int, default=64)
@@ -77,7 +77,7 @@ def main():
     parser.add_argument("--sdpa", choices=["default", "flash", "cudnn"], default="default")
     parser.add_argument("--loss", choices=["padded", "sliced"], default="padded",
                         help="padded: the cross-entropy over all Vp logits, as nanoGPT; sliced: over the first V")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     config = GPT2Config.from_descriptor(args.model)
     torch.manual_seed(0)
     model = GPT(config).cuda()
@@ -116,10 +116,10 @@ def main():
     ms = statistics.median(times)
     mode = "eager" if args.no_compile else "torch.compile"
     print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} loss={args.loss} {args.model} B={B} T={T} bf16: "
-          f"loss {loss:.4f} | "
-          f"median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | peak memory: nvidia-smi {peak.peak_mib} MiB, "
-          f"torch reserved {torch.cuda.max_memory_reserved() / 2**20:.0f} MiB")
+          f"loss {loss:.4f} | median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | peak memory: "
+          f"nvidia-smi {peak.peak_mib} MiB, torch reserved "
+          f"{torch.cuda.max_memory_reserved() / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -1,23 +1,20 @@
-"""What the data preparation scripts (data/*.py) share: their common flags, reading the source text
-from a local file or a download, optional packages, writing shards, and printing a user's mistake as
-one line instead of a traceback."""
+"""What the data preparation scripts share: their common flags, reading the source text from a local file
+or a download, optional packages, and writing shards. Each script runs as a module from the repository's
+root (python -m data.tinyshakespeare) through llm.launch.run, which prints a user's mistake as one line."""
 from contextlib import contextmanager
 import importlib
 import io
 import os
-import sys
 import urllib.request
 
 from llm import formats
-from llm.formats import FormatError
-from llm.launch import Parser
-from llm.tokenizer import TokenizerError
+from llm.launch import Parser, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_HINT = "pass --input PATH to a local copy"   # what a failed download says to do
 
 
-class PrepError(Exception):
+class PrepError(UserError):
     """A missing or malformed source, or no network: one line naming the file or URL and the problem."""
 
 
@@ -68,13 +65,15 @@ def read_text(path, url, offline_hint=INPUT_HINT):
 
 
 def first_line(e):
-    """An exception's message cut to its first sentence on its first line (network libraries' messages run on)."""
+    """An exception's message cut to its first sentence on its first line (network libraries' messages run
+    on)."""
     message = str(e).strip()
     return message.splitlines()[0].split(". ")[0].rstrip(".") if message else type(e).__name__
 
 
 def optional(module, extra):
-    """Import a package that only some scripts need; without it, one line naming the extra that installs it."""
+    """Import a package that only some scripts need; without it, one line naming the extra that installs
+    it."""
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -86,7 +85,7 @@ def quiet_hub_retries():
     """Hugging Face's hub client logs a warning for each of its retries (five, over about 25 s without a
     network); the caller says the failure once, in its own line."""
     try:
-        from huggingface_hub.utils import logging as hub_logging   # (loading it sets the level that we change)
+        from huggingface_hub.utils import logging as hub_logging   # (loading it sets the level we change)
     except ImportError:   # a package that streams without it
         return
     hub_logging.set_verbosity_error()
@@ -97,12 +96,3 @@ def write_shard(path, tokens):
     size = formats.HEADER_BYTES + 2 * len(tokens)
     print(f"writing {len(tokens):,} tokens to {path} ({size:,} bytes) in the gpt-2 format")
     formats.write_shard(path, tokens)
-
-
-def run(main):
-    """Run a script's main(); a user's mistake prints as "error: ..." and exits with status 1."""
-    try:
-        main()
-    except (PrepError, TokenizerError, FormatError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)

@@ -1,8 +1,8 @@
 """FineWeb as GPT-2 token shards in llm.c's layout: fineweb_val_000000.bin, then fineweb_train_000001.bin, ...
 
-  python data/fineweb.py                                  stream FineWeb's sample-10BT, write data/fineweb10B/
-  python data/fineweb.py --type edu --version 100B        FineWeb-Edu's sample-100BT, write data/edu_fineweb100B/
-  python data/fineweb.py --input a.jsonl b.txt c.parquet --vocab gpt2.tiktoken --out data/mine    local files
+  python -m data.fineweb                                  stream FineWeb's sample-10BT, write data/fineweb10B/
+  python -m data.fineweb --type edu --version 100B        FineWeb-Edu's sample-100BT, data/edu_fineweb100B/
+  python -m data.fineweb --input a.jsonl b.txt c.parquet --vocab gpt2.tiktoken --out data/mine    local files
 
 Every document becomes EOT (50256) followed by its tokens, and the documents go back to back, in order,
 into shards of --shard_size tokens (10^8 by default, as llm.c); a document can straddle two shards.
@@ -19,17 +19,14 @@ from itertools import chain
 import json
 from multiprocessing import Pool
 import os
-import sys
 
 import numpy as np
 
-# run as a script, Python puts data/ on the path; the repo root is needed to import llm and data
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data import (REPO, PrepError, arguments, first_line, optional, quiet_hub_retries, read_text, reading,   # noqa: E402
-                  run, write_shard)
-from llm import formats   # noqa: E402
-from llm.tokenizer import Tokenizer   # noqa: E402
+from data import (REPO, PrepError, arguments, first_line, optional, quiet_hub_retries, read_text, reading,
+                  write_shard)
+from llm import formats
+from llm.launch import run, worker_signals
+from llm.tokenizer import Tokenizer
 
 try:
     from tqdm import tqdm   # comes with datasets; without it, the line for each shard written is the progress
@@ -132,6 +129,11 @@ def load_tokenizer(vocab):
     tokenizer = Tokenizer(vocab)
 
 
+def start_worker(vocab):
+    worker_signals()   # a signal is the main process's to report; the pool ends its workers
+    load_tokenizer(vocab)
+
+
 def tokenize(text):
     """One document -> EOT, then its tokens, as uint16 (GPT-2's ids are below 2^16)."""
     return np.array([tokenizer.eot, *tokenizer.encode(text)], dtype=np.uint16)
@@ -143,7 +145,8 @@ def tokenize(text):
 class Shards:
     """Fills shards of `size` tokens from the token stream, in order, and writes each one when it is full.
 
-    Shard 0 is the val split and the rest the train split: <prefix>_val_000000.bin, <prefix>_train_000001.bin..."""
+    Shard 0 is the val split and the rest the train split: <prefix>_val_000000.bin,
+    <prefix>_train_000001.bin, ..."""
 
     def __init__(self, out, prefix, size):
         self.out, self.prefix, self.size = out, prefix, size
@@ -172,23 +175,27 @@ class Shards:
             self.bar = None
         split = "val" if self.index == 0 else "train"
         os.makedirs(self.out, exist_ok=True)
-        write_shard(os.path.join(self.out, f"{self.prefix}_{split}_{self.index:06d}.bin"), self.buffer[:self.filled])
+        path = os.path.join(self.out, f"{self.prefix}_{split}_{self.index:06d}.bin")
+        write_shard(path, self.buffer[:self.filled])
         self.index += 1
         self.filled = 0
 
 
-def main():
-    parser = arguments(__doc__.splitlines()[0], "HuggingFaceFW/fineweb's sample-10BT; see --type, --version", None,
-                       input_help="local .txt, .jsonl or .parquet files", nargs="+",
-                       out_help="data/fineweb10B, data/edu_fineweb10B for --type edu, 100B for --version 100B")
-    parser.add_argument("--type", choices=TYPES, default="classic", help="FineWeb or FineWeb-Edu (default: classic)")
+def main(argv):
+    parser = arguments(__doc__.splitlines()[0], "HuggingFaceFW/fineweb's sample-10BT; see --type, --version",
+                       None, input_help="local .txt, .jsonl or .parquet files", nargs="+",
+                       out_help="data/fineweb10B, data/edu_fineweb10B for --type edu, 100B for "
+                                "--version 100B")
+    parser.add_argument("--type", choices=TYPES, default="classic",
+                        help="FineWeb or FineWeb-Edu (default: classic)")
     parser.add_argument("--version", choices=VERSIONS, default="10B", help="the sample's size (default: 10B)")
     parser.add_argument("--shard_size", type=int, default=SHARD_SIZE, help="tokens per shard (default: 10^8)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(),
                         help="tokenizing processes (default: the number of CPUs)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 1 <= args.shard_size <= formats.MAX_SHARD_TOKENS:
-        raise PrepError(f"--shard_size {args.shard_size}: a shard holds 1 to {formats.MAX_SHARD_TOKENS:,} tokens")
+        raise PrepError(f"--shard_size {args.shard_size}: a shard holds 1 to {formats.MAX_SHARD_TOKENS:,} "
+                        f"tokens")
     if args.workers < 1:
         raise PrepError(f"--workers {args.workers}: give at least 1")
     dataset, prefix = TYPES[args.type]
@@ -200,7 +207,7 @@ def main():
     load_tokenizer(args.vocab)   # here first, so a bad --vocab is one line rather than failing workers
     shards = Shards(out, prefix, args.shard_size)
     # the workers start before the stream opens: the stream's threads are not forked into them
-    with Pool(args.workers, load_tokenizer, (args.vocab,)) if args.workers > 1 else nullcontext() as pool:
+    with Pool(args.workers, start_worker, (args.vocab,)) if args.workers > 1 else nullcontext() as pool:
         if not args.input:
             documents = fineweb_documents(dataset, args.version)
         # imap returns the results in the documents' order, however the workers interleave

@@ -1,8 +1,8 @@
-"""GPT-2's released weights as llm.c's model files: gpt2_124M.bin (fp32), gpt2_124M_bf16.bin, gpt2_tokenizer.bin.
+"""GPT-2's released weights as llm.c's files: gpt2_124M.bin (fp32), gpt2_124M_bf16.bin, gpt2_tokenizer.bin.
 
-  python data/gpt2.py                                        download gpt2 (124M) from Hugging Face
-  python data/gpt2.py --model gpt2-xl                        gpt2_1558M.bin and gpt2_1558M_bf16.bin
-  python data/gpt2.py --input gpt2/ --vocab gpt2.tiktoken    offline: a model folder, or its model.safetensors
+  python -m data.gpt2                                        download gpt2 (124M) from Hugging Face
+  python -m data.gpt2 --model gpt2-xl                        gpt2_1558M.bin and gpt2_1558M_bf16.bin
+  python -m data.gpt2 --input gpt2/ --vocab gpt2.tiktoken    offline: a model folder, or its model.safetensors
 
 This is what llm.c's train_gpt2.py exports after loading GPT2LMHeadModel, without PyTorch: the tensors of
 Hugging Face's model.safetensors, laid out in llm/layout.py's flat order. llm/hf.py says what changes on the
@@ -18,22 +18,20 @@ Needs the optional packages: pip install .[weights].
 import json
 import os
 import re
-import sys
 
 import numpy as np
 
-# run as a script, Python puts data/ on the path; the repo root is needed to import llm and data
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data import PrepError, arguments, first_line, optional, quiet_hub_retries, run   # noqa: E402
-from llm import formats   # noqa: E402
-from llm.config import DEPTHS, ConfigError, GPT2Config   # noqa: E402
-from llm.hf import CONFIG_SIZES, LM_HEAD, MASK_BUFFER, PREFIX, WEIGHTS, hf_views   # noqa: E402
-from llm.layout import ParamViews   # noqa: E402
-from llm.tokenizer import Tokenizer   # noqa: E402
+from data import PrepError, arguments, first_line, optional, quiet_hub_retries
+from llm import formats
+from llm.config import DEPTHS, ConfigError, GPT2Config
+from llm.hf import CONFIG_SIZES, LM_HEAD, MASK_BUFFER, PREFIX, WEIGHTS, hf_views
+from llm.launch import run
+from llm.layout import ParamViews
+from llm.tokenizer import Tokenizer
 
 # Hugging Face model -> (llm.c's name for its size, L); llm.config.DEPTHS gives its C and NH
-MODELS = {"gpt2": ("124M", 12), "gpt2-medium": ("355M", 24), "gpt2-large": ("774M", 36), "gpt2-xl": ("1558M", 48)}
+MODELS = {"gpt2": ("124M", 12), "gpt2-medium": ("355M", 24), "gpt2-large": ("774M", 36),
+          "gpt2-xl": ("1558M", 48)}
 # their configs: maxT = 1024, V = 50257 and Vp = 50304 are GPT2Config's defaults
 NAMED = {name: GPT2Config(num_layers=L, channels=DEPTHS[L][0], num_heads=DEPTHS[L][1])
          for name, (_, L) in MODELS.items()}
@@ -43,11 +41,13 @@ VOCAB_MULTIPLE = 128
 
 
 def locate(path):
-    """--input: a model.safetensors file, or a folder holding one -> (its path, the config.json beside it or None)."""
+    """--input: a model.safetensors file, or a folder holding one -> (its path, the config.json beside it or
+    None)."""
     if os.path.isdir(path):
         path = os.path.join(path, WEIGHTS)
     if not os.path.exists(path):
-        raise PrepError(f"{path}: no such file: pass --input PATH to a {WEIGHTS} or a model folder holding one")
+        raise PrepError(f"{path}: no such file: pass --input PATH to a {WEIGHTS} or a model folder holding "
+                        f"one")
     config_json = os.path.join(os.path.dirname(path), "config.json")
     return path, config_json if os.path.isfile(config_json) else None
 
@@ -112,14 +112,16 @@ def infer_config(shapes, heads, config_json, path):
 
 
 def size_name(config, model):
-    """llm.c's name for the model's size: "124M" for --model gpt2 (the sizes must be gpt2's), else from the sizes."""
+    """llm.c's name for the model's size: "124M" for --model gpt2 (the sizes must be gpt2's), else from the
+    sizes."""
     if model:
         want = NAMED[model]
         if config != want:
-            raise PrepError(f"--model {model} has L={want.num_layers}, C={want.channels}, NH={want.num_heads}, "
-                            f"maxT={want.max_seq_len}, V={want.vocab_size}, but the weights have "
-                            f"L={config.num_layers}, C={config.channels}, NH={config.num_heads}, "
-                            f"maxT={config.max_seq_len}, V={config.vocab_size}: pass the matching --model")
+            raise PrepError(f"--model {model} has L={want.num_layers}, C={want.channels}, "
+                            f"NH={want.num_heads}, maxT={want.max_seq_len}, V={want.vocab_size}, but the "
+                            f"weights have L={config.num_layers}, C={config.channels}, "
+                            f"NH={config.num_heads}, maxT={config.max_seq_len}, V={config.vocab_size}: pass "
+                            f"the matching --model")
         return MODELS[model][0]
     for name, named in NAMED.items():
         if config == named:
@@ -134,7 +136,8 @@ def check_tensors(names, shapes, dests, config, path):
             raise PrepError(f"{path}: missing tensor {hf_name} (L={config.num_layers}, C={config.channels})")
     for hf_name, key in names.items():
         if hf_name not in dests:
-            raise PrepError(f"{path}: unexpected tensor {key}: not part of GPT-2's L={config.num_layers} layers")
+            raise PrepError(f"{path}: unexpected tensor {key}: not part of GPT-2's L={config.num_layers} "
+                            f"layers")
         view, transposed = dests[hf_name]
         expected = view.shape[::-1] if transposed else view.shape
         if shapes[hf_name] != expected:
@@ -142,7 +145,8 @@ def check_tensors(names, shapes, dests, config, path):
 
 
 def read_weights(path, config_json, heads, model):
-    """model.safetensors in Hugging Face's layout -> (config, flat float32 params in llm.c's layout, size name)."""
+    """model.safetensors in Hugging Face's layout -> (config, flat float32 params in llm.c's layout, size
+    name)."""
     safe_open = optional("safetensors", "weights").safe_open
     try:
         f = safe_open(path, framework="np")
@@ -153,7 +157,8 @@ def read_weights(path, config_json, heads, model):
         try:
             return f.get_tensor(key)
         except Exception as e:   # e.g. a dtype NumPy lacks, such as bf16
-            raise PrepError(f"{path}: cannot read {key} ({first_line(e)}): store the weights as float32") from None
+            raise PrepError(f"{path}: cannot read {key} ({first_line(e)}): store the weights as "
+                            f"float32") from None
 
     with f:
         names = tensor_names(f.keys(), path)
@@ -172,14 +177,14 @@ def read_weights(path, config_json, heads, model):
     return config, params, name
 
 
-def main():
+def main(argv):
     parser = arguments(__doc__.splitlines()[0], f"{HUB}/<model>'s {WEIGHTS}", "",
                        input_help=f"a {WEIGHTS} file, or a model folder holding one")
     parser.add_argument("--model", choices=MODELS,
-                        help="which GPT-2: names the files and checks the sizes (default: gpt2 for a download; "
-                             "for --input, the sizes the weights have)")
+                        help="which GPT-2: names the files and checks the sizes (default: gpt2 for a "
+                             "download; for --input, the sizes the weights have)")
     parser.add_argument("--heads", type=int, help="NH, when there is no config.json and C / 64 is not right")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.input:
         model = args.model
         path, config_json = locate(args.input)

@@ -1,7 +1,7 @@
 """HellaSwag's val split as llm.c's eval file, data/hellaswag/hellaswag_val.bin, for train_gpt2.py -h 1.
 
-  python data/hellaswag.py                                    download hellaswag_val.jsonl
-  python data/hellaswag.py --input hellaswag_val.jsonl --vocab gpt2.tiktoken     offline
+  python -m data.hellaswag                                    download hellaswag_val.jsonl
+  python -m data.hellaswag --input hellaswag_val.jsonl --vocab gpt2.tiktoken     offline
 
 Each example is rendered as llm.c's dev/data/hellaswag.py renders it: the tokens of its context, the
 tokens of each of its 4 endings encoded with a leading space (GPT-2's tokens carry the space before a
@@ -9,14 +9,11 @@ word, so the ending continues the context), and the label of the right ending.
 """
 import json
 import os
-import sys
 
-# run as a script, Python puts data/ on the path; the repo root is needed to import llm and data
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data import PrepError, arguments, read_text, run   # noqa: E402
-from llm import formats   # noqa: E402
-from llm.tokenizer import Tokenizer   # noqa: E402
+from data import PrepError, arguments, read_text
+from llm import formats
+from llm.launch import run
+from llm.tokenizer import Tokenizer
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 
@@ -31,8 +28,8 @@ def render(line, tokenizer):
                 completions=[tokenizer.encode(" " + ending) for ending in endings])
 
 
-def main():
-    args = arguments(__doc__.splitlines()[0], URL, os.path.join("data", "hellaswag")).parse_args()
+def main(argv):
+    args = arguments(__doc__.splitlines()[0], URL, os.path.join("data", "hellaswag")).parse_args(argv)
     source = args.input or URL
     lines = read_text(args.input, URL).splitlines()
     tokenizer = Tokenizer(args.vocab)

@@ -1,20 +1,17 @@
 """Tiny Shakespeare as GPT-2 token shards, byte for byte what llm.c's dev/data/tinyshakespeare.py writes.
 
-  python data/tinyshakespeare.py                                             download corpus and ranks
-  python data/tinyshakespeare.py --input tinyshakespeare.txt --vocab gpt2.tiktoken    offline
+  python -m data.tinyshakespeare                                             download corpus and ranks
+  python -m data.tinyshakespeare --input tinyshakespeare.txt --vocab gpt2.tiktoken    offline
 
 Each section of the text between blank lines is a document: EOT, then the section's tokens. The first
 32,768 tokens are the val split, the other 305,260 the train split. It also writes gpt2_tokenizer.bin,
 from which train_gpt2.py decodes the samples it prints.
 """
 import os
-import sys
 
-# run as a script, Python puts data/ on the path; the repo root is needed to import llm and data
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data import REPO, arguments, read_text, run, write_shard   # noqa: E402
-from llm.tokenizer import VOCAB_ENV, Tokenizer   # noqa: E402
+from data import REPO, arguments, read_text, write_shard
+from llm.launch import run
+from llm.tokenizer import VOCAB_ENV, Tokenizer
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 INPUT_ENV = "TINYSHAKESPEARE"   # the corpus's local copy, as --input
@@ -43,11 +40,11 @@ def tokenize(text, tokenizer):
     return tokens
 
 
-def main():
+def main(argv):
     parser = arguments(__doc__.splitlines()[0], URL, os.path.join("data", "tinyshakespeare"), INPUT_ENV)
     parser.add_argument("--tokenizer", default=os.path.join(REPO, "gpt2_tokenizer.bin"),
                         help="where to write llm.c's tokenizer file (default: gpt2_tokenizer.bin)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     text = read_text(args.input, URL, offline_hint=OFFLINE_HINT)
     tokenizer = Tokenizer(args.vocab)
     tokens = tokenize(text, tokenizer)

@@ -37,13 +37,14 @@ import secrets
 import socket
 
 from . import formats
+from .launch import UserError
 
 # the names of a checkpoint's files, and the temporary names formats.atomic_write gives them
 CHECKPOINT_FILE = re.compile(r"(?:model_|state_)(\d{8})\.bin|DONE_(\d{8})")
 TEMPORARY_FILE = re.compile(rf"(?:{CHECKPOINT_FILE.pattern})\.\d+\.tmp")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """An output directory that cannot be used, or a checkpoint that cannot be written or resumed: one line."""
 
 

@@ -8,19 +8,21 @@ A descriptor model has maxT = 1024, V = 50257 and Vp = 50304, as in llm.c.
 from dataclasses import dataclass
 import re
 
+from llm.launch import UserError
+
 GPT2_VOCAB = 50257      # V: the real vocabulary
 GPT2_PADDED = 50304     # Vp: V rounded up to a multiple of 128, so the lm_head matmul tiles well
 GPT2_EOT = 50256        # <|endoftext|>: the last token of GPT-2's vocabulary, which separates documents
 GPT2_MAX_SEQ = 1024
 # what to say when a model file such as gpt2_124M.bin (the trainer's default -e) is missing
-WEIGHTS_HINT = "python data/gpt2.py writes GPT-2's weights (gpt2_124M.bin, gpt2_124M_bf16.bin)"
+WEIGHTS_HINT = "python -m data.gpt2 writes GPT-2's weights (gpt2_124M.bin, gpt2_124M_bf16.bin)"
 
 # depth -> (channels, heads), from llm.c's gpt2_set_hyperparameters
 DEPTHS = {6: (384, 6), 12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25),
           60: (1920, 30), 72: (2880, 30), 84: (3456, 36)}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A model description that cannot be built (bad descriptor, sizes that do not divide)."""
 
 

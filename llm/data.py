@@ -31,9 +31,10 @@ import numpy as np
 
 from llm import formats
 from llm.config import GPT2_EOT, GPT2_VOCAB
+from llm.launch import UserError
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A data file or pattern that cannot be used (no matches, bad token ids, too little data)."""
 
 
@@ -200,11 +201,11 @@ def shared_files_warning(train, val):
 def prepare_hint(pattern):
     """Which command writes the shards of a pattern in llm.c's data folders (data/*.py write them)."""
     if "tinyshakespeare" in pattern:
-        return "run `make data` (or python data/tinyshakespeare.py) to write them"
+        return "run `make data` (or python -m data.tinyshakespeare) to write them"
     if "fineweb" in pattern:
         flags = "".join(flag for key, flag in (("edu_", " --type edu"), ("100B", " --version 100B")) if key in pattern)
-        return f"run python data/fineweb.py{flags} to write them"
-    return "the scripts in data/ write shards (`make data`: tiny Shakespeare; data/fineweb.py: FineWeb)"
+        return f"run python -m data.fineweb{flags} to write them"
+    return "the scripts in data/ write shards (`make data`: tiny Shakespeare; python -m data.fineweb: FineWeb)"
 
 
 class EvalLoader:

@@ -20,17 +20,16 @@ import importlib
 import json
 import os
 import re
-import sys
 
 import numpy as np
 
 from llm import formats
-from llm.checkpoint import CheckpointError, find_model
+from llm.checkpoint import find_model
 from llm.config import GPT2_VOCAB
 from llm.hf import CONFIG_SIZES, PREFIX, WEIGHTS, hf_views
-from llm.launch import Parser
+from llm.launch import Parser, UserError, run
 from llm.layout import ParamViews
-from llm.tokenizer import ENDOFTEXT, Tokenizer, TokenizerError, byte_to_unicode, recover_merges
+from llm.tokenizer import ENDOFTEXT, Tokenizer, byte_to_unicode, recover_merges
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}   # --dtype -> torch's name, which config.json gives
 CONFIG, GENERATION, VOCAB, MERGES, TOKENIZER = ("config.json", "generation_config.json", "vocab.json",
@@ -40,7 +39,7 @@ MERGES_HEADER = "#version: 0.2\n"   # GPT2Tokenizer skips merges.txt's first lin
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """A flag, a folder or a missing package that stops the export: one line that says what to do."""
 
 
@@ -144,7 +143,7 @@ def push(out, repo, hub):
 
 
 def arguments():
-    parser = Parser(prog="python -m llm.export", description="Write a checkpoint as a Hugging Face model "
+    parser = Parser(description="Write a checkpoint as a Hugging Face model "
                     "folder (model.safetensors, config.json, GPT-2's tokenizer files), for transformers and "
                     "lm-evaluation-harness.")
     parser.add_argument("-e", required=True, metavar="MODEL",
@@ -199,8 +198,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ExportError, CheckpointError, formats.FormatError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run(main)

@@ -30,6 +30,7 @@ import numpy as np
 import xxhash
 
 from llm.config import GPT2_EOT, ConfigError, GPT2Config
+from llm.launch import UserError
 from llm.layout import tensor_at
 
 HEADER_INTS = 256
@@ -69,7 +70,7 @@ EVAL_COMPLETIONS = 4              # HellaSwag: every example has 4 candidate end
 MAX_SHARD_TOKENS = 2**31 - 1      # ntok lives in an int32 slot
 
 
-class FormatError(ValueError):
+class FormatError(UserError):
     """A file that is missing, of the wrong kind, or inconsistent with its header.
 
     The message is one line, "<file>: <problem>", fit to print without a traceback."""

@@ -1,36 +1,45 @@
-"""How this process was launched, and how it stops: one process, or one rank of a job that mpirun started.
+"""How a command runs and how it stops: one process, or one rank of a job that mpirun started.
 
+  run(main)                  every command's entry point: threads, signals, and one rule for errors
+  UserError, UsageError      what a person got wrong: one line, "error: ...", and exit status 1
   launched_world_size(), launched_rank(), local_ranks()   read from the launcher's environment
-  configure_threads()        size BLAS's threads (and MPI's waiting) from the cores each local rank gets
-  install_signal_handlers()  SIGINT (Ctrl-C) and SIGTERM end the run with one line, on every rank
+  limit_threads()            size BLAS's threads (and MPI's waiting) from the cores each local rank gets
+  install_signal_handlers()  SIGINT, SIGTERM, SIGHUP, SIGUSR1 end the run with one line, on every rank
+  worker_signals()           a forked worker leaves those to the command that started it
+  Preemption                 SIGUSR1 in the trainer: finish the step, write a checkpoint, then stop
   stop(message, code)        print one line and end this process and, under a launcher, the whole job
   Parser                     argparse for every command line here: a mistake in the options is one line
 
-This module imports neither numpy nor mpi4py when it loads: configure_threads() must run before numpy is first
-imported, because OpenBLAS reads its thread count once, when it loads.
+This module imports neither numpy nor mpi4py when it loads: every module of llm/ may import it, and MPI's
+waiting must be set before mpi4py.MPI starts MPI.
 
 Why a job has to be stopped as a whole: a rank that just exits leaves the others waiting forever in their
 next collective (or in MPI's start-up), and a rank that raises an exception is in the same place, plus
 mpi4py then calls MPI_Finalize at exit, which waits for the others. MPI_Abort ends every rank at once.
 """
 import argparse
+import errno
+from functools import partial
 import os
 import signal
 import sys
 import time
+import traceback
 
 # the variables launchers set: Open MPI, MPICH's hydra, PMIx (Open MPI 5, Slurm), MVAPICH
 WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
-# every thread pool a BLAS (or OpenMP code under it) may start reads one of these
+LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE",
+                   "MV2_COMM_WORLD_LOCAL_SIZE")
+# every thread pool a BLAS (or OpenMP code under it) may start reads one of these when it loads: one set by
+# the user is kept
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
                "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 # with more ranks than cores, MPI must give the core away while it waits: MPICH sleeps between idle polls,
 # Open MPI yields
 YIELD_VARS = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "OMPI_MCA_mpi_yield_when_idle": "1"}
 RANK0_FIRST_S = 0.7   # how long other ranks let rank 0 speak first when every rank fails alike
-FORWARD_S = 0.2       # how long a rank waits, once its line is out, for the launcher to pass it on before the abort
+FORWARD_S = 0.2       # how long a rank waits, once its line is out, for the launcher to pass it on
 
 
 def _first_int(names, default):
@@ -70,16 +79,17 @@ def threads_per_rank():
     return max(1, cores() // local_ranks())
 
 
-def configure_threads():
-    """Set the thread counts of BLAS and OpenMP to threads_per_rank(), unless the user set them, and, with
-    more ranks than cores, make MPI yield the core while it waits instead of spinning. Call this before
-    numpy (or mpi4py) is imported."""
-    threads = str(threads_per_rank())
-    for name in THREAD_VARS:
-        os.environ.setdefault(name, threads)
+def limit_threads():
+    """Size this process's BLAS and OpenMP thread pools to threads_per_rank(), unless the user set a thread
+    count in the environment (BLAS read it when it loaded), and, with more ranks than cores, make MPI give
+    the core away while it waits instead of spinning. threadpoolctl resizes the pools of the libraries
+    loaded so far, so call this once numpy is imported, and before MPI starts (mpi4py.MPI's import)."""
     if local_ranks() > cores():
         for name, value in YIELD_VARS.items():
             os.environ.setdefault(name, value)
+    if not any(name in os.environ for name in THREAD_VARS):
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(threads_per_rank())
 
 
 def stop(message, code=1):
@@ -96,36 +106,166 @@ def stop(message, code=1):
     /dev/null first."""
     world_size, rank = launched_world_size(), launched_rank()
     if world_size == 1:
-        print(message, file=sys.stderr, flush=True)
+        _flush_stdout()
+        _say(message)
         raise SystemExit(code)
     from mpi4py import MPI   # starts MPI, if this rank had not yet
     if rank > 0:
         time.sleep(RANK0_FIRST_S)
-    print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    _say(f"rank {rank}: {message}")
+    _flush_stdout()
     time.sleep(FORWARD_S)
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
     MPI.COMM_WORLD.Abort(code)
 
 
-def _on_signal(signum, frame):
+def _say(line):
+    """The line on stderr, if stderr is still there: a closed ssh session takes the terminal with it."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def _flush_stdout():
+    """Flush stdout before the last line; if it cannot be written (its reader has gone, its disk is full),
+    point it at /dev/null, so that Python's own flush at exit does not fail again."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _on_signal(signum, frame, why=""):
     # one line, once: a second Ctrl-C while this one is handled changes nothing
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    stop(f"stopped by {signal.Signals(signum).name}", 128 + signum)
+    stop(f"stopped by {signal.Signals(signum).name}{why}", 128 + signum)
+
+
+# Ctrl-C, kill's default, a closed terminal or ssh session, and Slurm's warning before it ends a job
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 def install_signal_handlers():
-    """SIGINT and SIGTERM stop the run with one line and exit code 128 + the signal's number (130, 143),
-    on every rank. A rank in the middle of a collective handles the signal when the collective returns."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    """Each of SIGNALS stops the run with one line and exit code 128 + the signal's number (130, 143, 129,
+    138), on every rank. A rank in the middle of a collective handles the signal when the collective
+    returns."""
+    for sig in SIGNALS:
         signal.signal(sig, _on_signal)
 
 
+def worker_signals():
+    """In a worker process that a command forked (a multiprocessing pool): ignore Ctrl-C, a closed terminal
+    and SIGUSR1, which the command itself reports in one line, and end quietly on SIGTERM, with which the
+    pool ends its workers."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class Preemption:
+    """SIGUSR1, Slurm's warning before it ends a job (srun --signal=USR1@90): the trainer finishes its step,
+    writes a checkpoint and stops, so that -y 1 resumes the job. With nothing to save (no -o), the signal
+    stops the run at once, with a line that says why nothing was saved.
+
+    The signal may reach some ranks and not others: requested(comm) is a collective that every rank calls
+    at the same point of each step, and that tells them all whether any rank got it."""
+
+    def __init__(self, can_save, why_not=""):
+        self.can_save, self.signalled = can_save, False
+        signal.signal(signal.SIGUSR1, self._remember if can_save else partial(_on_signal, why=why_not))
+
+    def _remember(self, signum, frame):
+        self.signalled = True
+
+    def requested(self, comm):
+        return self.can_save and comm.scalar_sum(self.signalled) > 0
+
+
+class UserError(ValueError):
+    """A mistake in what a person gave a command (a flag, a file, a size, a token id) or in what the
+    machine offers it (a missing package, no GPU): run() prints it as one line, "error: ...", and exits
+    with 1. Every such error class here derives from it; any other exception is a bug, and shows its
+    traceback."""
+
+
+class UsageError(UserError):
+    """A mistake in the command line itself: the line ends by pointing at --help."""
+
+    def __str__(self):
+        return f"{super().__str__()} (--help lists the flags)"
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, but a wrong option or value prints one line, "error: ...", and exits with 1, as every
-    other mistake does (argparse's own prints the usage first and exits with 2); --help shows the usage."""
+    """argparse, but a wrong option or value is a UsageError, one line as every other mistake (argparse's own
+    prints the usage first and exits with 2); --help shows the usage, under the command as it was typed
+    (python -m llm.sample, python test_gpt2.py)."""
+
+    def __init__(self, **kwargs):
+        spec = getattr(sys.modules["__main__"], "__spec__", None)   # set when run as python -m MODULE
+        command = f"-m {spec.name}" if spec else os.path.basename(sys.argv[0])
+        super().__init__(prog=f"python {command}", **kwargs)
 
     def error(self, message):
-        print(f"error: {message} (--help lists the options)", file=sys.stderr)
-        sys.exit(1)
+        raise UsageError(message)
+
+
+class StdoutError(OSError):
+    """stdout cannot be written: its reader has gone (a closed pipe, `| head`) or its disk is full."""
+
+
+class _Stdout:
+    """sys.stdout, whose write errors are StdoutErrors: a failed write to stdout and one to a data file are
+    both an OSError without a file name, and only stdout's means that nothing more can be printed."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise StdoutError(e.errno, e.strerror) from None
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise StdoutError(e.errno, e.strerror) from None
+
+
+def run(main, memory_advice="use a machine with more memory"):
+    """Run a command's main(argv), as every command here runs (python train_gpt2.py, python -m llm.sample,
+    python -m data.tinyshakespeare, ...), and exit with what it returns (None: 0).
+
+    Its threads are sized (limit_threads) and its signals handled (install_signal_handlers) first. Then
+    a UserError is one line, "error: ...", and exit status 1; an OSError (a disk that fills, a file that
+    cannot be opened) is one line too; stdout that cannot be written is one line on stderr: a reader that
+    has gone (`| head`, exit 141, as SIGPIPE's) or a full disk (`> /dev/full`, exit 1). An allocator's
+    MemoryError (NumPy's; CuPy's OutOfMemoryError is one) is one line with the command's memory_advice:
+    where a command counts its memory first (llm/memory.py), the count missed something. Any other
+    exception is a bug: its traceback, and under a launcher every rank stops."""
+    install_signal_handlers()
+    limit_threads()
+    sys.stdout = _Stdout(sys.stdout)
+    try:
+        code = main(sys.argv[1:])
+        sys.stdout.flush()   # the last of stdout goes out here, where a failure is reported, not at exit
+    except StdoutError as e:
+        if e.errno == errno.EPIPE:
+            stop("stopped: the reader of stdout has gone (broken pipe)", 128 + signal.SIGPIPE)
+        stop(f"error: cannot write stdout ({e.strerror})")
+    except UserError as e:
+        stop(f"error: {e}")
+    except MemoryError as e:
+        stop(f"error: out of memory ({str(e).splitlines()[0] if str(e) else 'the allocator said no more'}): "
+             f"{memory_advice}")
+    except OSError as e:
+        stop(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e.strerror or e}")
+    except Exception:
+        stop(traceback.format_exc().rstrip())   # a bug: its traceback is the report; every rank stops
+    raise SystemExit(code or 0)

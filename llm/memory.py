@@ -23,6 +23,7 @@ import math
 
 import numpy as np
 
+from .launch import UserError
 from .model import GPT2, Activations
 from .zero import ZeroOptimizer, padded_size
 
@@ -37,7 +38,7 @@ MARGIN_FRACTION, MARGIN_BYTES = 0.02, 256 << 20
 TRAINING_ADVICE = "lower -b, use -r 2, a smaller -e, or -z 1 over more ranks on more GPUs or machines"
 
 
-class NotEnoughMemory(ValueError):
+class NotEnoughMemory(UserError):
     """A run that needs more memory than there is: one line that says how much, how much there is, and
     what to lower."""
 
@@ -86,7 +87,3 @@ def check(parts, available, advice=TRAINING_ADVICE):
         raise NotEnoughMemory(f"not enough memory: this run needs {size(total)} ({what}, margin "
                               f"{size(margin(parts))}) and {size(available)} is available: {advice}")
 
-
-def out_of_memory(e, advice=TRAINING_ADVICE):
-    """The one line for an allocator's MemoryError (NumPy's, or CuPy's OutOfMemoryError, its subclass)."""
-    return f"out of memory ({str(e).splitlines()[0] if str(e) else 'the allocator said no more'}): {advice}"

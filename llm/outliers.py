@@ -1,4 +1,4 @@
-"""Outlier detection and the rule for skipping an update, as llm.c's llmc/outlier_detector.h and its main loop.
+"""Outlier detection and the rule for skipping an update, as llm.c's llmc/outlier_detector.h and main loop.
 
 The step's loss and gradient norm are compared with their last 128 values; an update whose z-score is above
 the -sl (loss) or -sg (norm) threshold is skipped, and so is one with a non-finite loss or norm, which would
@@ -10,13 +10,16 @@ resumed run decides exactly as the uninterrupted run would have.
 """
 import math
 
+from llm.launch import UserError
 
-class DivergedError(ValueError):
+
+class DivergedError(UserError):
     """Too many non-finite steps in a row: one line saying so and what to do."""
 
 
 class OutlierDetector:
-    """z-score of a value against the last 128 values (llm.c's outlier_detector.h): nan until the window fills."""
+    """z-score of a value against the last 128 values (llm.c's outlier_detector.h): nan until the window
+    fills."""
     WINDOW = 128
 
     def __init__(self, values=()):
@@ -57,9 +60,9 @@ class UpdateGuard:
         self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
         if not finite:
             if self.max_nonfinite and self.nonfinite_streak >= self.max_nonfinite:
-                raise DivergedError(f"stopping: {self.nonfinite_streak} steps in a row had a non-finite loss or "
-                                    f"grad norm (now loss {loss}, norm {grad_norm}); the run has diverged: lower "
-                                    f"-l, or resume from an earlier checkpoint")
+                raise DivergedError(f"stopping: {self.nonfinite_streak} steps in a row had a non-finite "
+                                    f"loss or grad norm (now loss {loss}, norm {grad_norm}); the run has "
+                                    f"diverged: lower -l, or resume from an earlier checkpoint")
             return loss_z, norm_z, f"skipping update: non-finite loss {loss} or grad norm {grad_norm}"
         if self.loss_threshold and loss_z > self.loss_threshold:
             return loss_z, norm_z, f"skipping update due to loss z-score of {loss_z:f}"

@@ -11,9 +11,8 @@ drawn, so nothing else in llm/ depends on it, and it draws with Agg, which needs
 """
 import os
 import re
-import sys
 
-from .launch import Parser
+from .launch import Parser, UserError, run
 
 LINE = re.compile(r"s:(\d+) (trl|tel|eval):(\S+)")
 
@@ -62,11 +61,11 @@ def figure(train, val, evals, title, log_scale=False):
         acc.set_ylabel("HellaSwag accuracy")
         more_handles, more_labels = acc.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
-    ax.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 1), ncol=3, frameon=False)   # above the axes
+    ax.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 1), ncol=3, frameon=False)   # above
     return fig
 
 
-def main(argv=None):
+def main(argv):
     parser = Parser(description="Plot train and val loss (and HellaSwag accuracy) from DIR/main.log.")
     parser.add_argument("dir", help="a run's output directory, as given to train_gpt2.py -o")
     parser.add_argument("-o", "--out", help="image to write (default DIR/loss.png)")
@@ -74,30 +73,30 @@ def main(argv=None):
     args = parser.parse_args(argv)
     log = os.path.join(args.dir, "main.log")
     if not os.path.exists(log):
-        print(f"error: {log}: no such file (train with -o {args.dir} first)", file=sys.stderr)
-        return 1
+        raise UserError(f"{log}: no such file (train with -o {args.dir} first)")
     try:
         train, val, evals = read_log(log)
     except OSError as e:
-        print(f"error: {log}: cannot read ({e.strerror})", file=sys.stderr)
-        return 1
+        raise UserError(f"{log}: cannot read ({e.strerror})") from None
     if not train and not val:
-        print(f"error: {log}: no s:N trl:/tel: lines to plot", file=sys.stderr)
-        return 1
+        raise UserError(f"{log}: no s:N trl:/tel: lines to plot")
     title = f"{os.path.basename(os.path.abspath(args.dir))}: loss against step"
     try:
         fig = figure(train, val, evals, title, log_scale=args.log)
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "matplotlib":
             raise
-        print("error: plotting needs matplotlib: pip install '.[plot]' (or pip install matplotlib)", file=sys.stderr)
-        return 1
+        raise UserError("plotting needs matplotlib: pip install '.[plot]' (or pip install "
+                        "matplotlib)") from None
     out = args.out or os.path.join(args.dir, "loss.png")
-    fig.savefig(out)
+    try:
+        fig.savefig(out)
+    except ValueError as e:   # an image format matplotlib does not write: it names the ones it does
+        raise UserError(f"-o {out}: {e}") from None
     print(f"wrote {out}: {len(train)} train and {len(val)} val points"
           + (f", {len(evals)} HellaSwag points" if evals else ""))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

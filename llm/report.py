@@ -15,25 +15,29 @@ def table(rows):
     return "\n".join(row(name, value) for name, value in rows)
 
 
-def config_tables(args, run, model, backend, comm):
+def config_tables(settings, model, optimizer, comm):
     """llm.c's tables: the flags, the device, the model, the batch counts and the ZeRO setup.
 
-    args: the parsed flags; run: what main() derived from them (train_pattern, total_batch, train_steps,
-    val_steps, run_hellaswag)."""
-    config, peak = model.config, backend.peak_flops()
-    init = args["e"] if args["e"].endswith(".bin") else f"random ({args['e']})"
+    settings: train_gpt2.py's Settings, the flags by llm.c's names and what main() derived from them."""
+    s, config, backend = settings, model.config, model.backend
+    peak = backend.peak_flops()
+    init = s.load_filename if s.load_filename.endswith(".bin") else f"random ({s.load_filename})"
     return "\n".join([
         BORDER, row("Parameter", "Value"), BORDER,
-        table([("train data pattern", run["train_pattern"]), ("val data pattern", args["j"]),
-               ("output log dir", args["o"] or "NULL"), ("checkpoint_every", args["n"]), ("resume", args["y"]),
-               ("micro batch size B", args["b"]), ("sequence length T", args["t"]),
-               ("total batch size", run["total_batch"]), ("LR scheduler", args["k"]),
-               ("learning rate (LR)", f"{args['l']:e}"), ("warmup iterations", args["u"]),
-               ("final LR fraction", f"{args['q']:e}"), ("weight decay", f"{args['c']:e}"),
-               ("skip update lossz", f"{args['sl']:f}"), ("skip update gradz", f"{args['sg']:f}"),
-               ("max_steps", args["x"]), ("val_loss_every", args["v"]), ("val_max_steps", args["m"]),
-               ("sample_every", args["s"]), ("genT", args["g"]), ("overfit_single_batch", args["a"]),
-               ("use_master_weights", "enabled" if run["master_weights"] else "disabled"), ("recompute", args["r"])]),
+        table([("train data pattern", s.train_pattern), ("val data pattern", s.val_data_pattern),
+               ("output log dir", s.output_log_dir or "NULL"), ("checkpoint_every", s.checkpoint_every),
+               ("resume", s.resume), ("micro batch size B", s.B), ("sequence length T", s.T),
+               ("total batch size", s.total_batch_size), ("LR scheduler", s.lr_scheduler_type),
+               ("learning rate (LR)", f"{s.learning_rate:e}"), ("warmup iterations", s.warmup_iterations),
+               ("final LR fraction", f"{s.final_learning_rate_frac:e}"),
+               ("weight decay", f"{s.weight_decay:e}"),
+               ("skip update lossz", f"{s.skip_update_lossz:f}"),
+               ("skip update gradz", f"{s.skip_update_gradz:f}"),
+               ("max_steps", s.max_steps), ("val_loss_every", s.val_loss_every),
+               ("val_max_steps", s.val_max_steps), ("sample_every", s.sample_every), ("genT", s.genT),
+               ("overfit_single_batch", s.overfit_single_batch),
+               ("use_master_weights", "enabled" if optimizer.master is not None else "disabled"),
+               ("recompute", s.recompute)]),
         BORDER,
         table([("device", backend.device_name()), ("peak TFlops", f"{peak / 1e12 if peak else -1.0:.1f}"),
                ("precision", backend.precision.upper()),
@@ -44,23 +48,25 @@ def config_tables(args, run, model, backend, comm):
                ("num_layers L", config.num_layers), ("num_heads NH", config.num_heads),
                ("channels C", config.channels), ("num_parameters", config.num_parameters)]),
         BORDER,
-        table([("train_num_batches", run["train_steps"]), ("val_num_batches", run["val_steps"])]),
+        table([("train_num_batches", s.train_num_batches), ("val_num_batches", s.val_num_batches)]),
         BORDER,
-        row("run hellaswag", "yes" if run["run_hellaswag"] else "no"),
+        row("run hellaswag", "yes" if s.run_hellaswag else "no"),
         BORDER,
-        f"| {'Zero Stage1 is enabled' if args['z'] == 1 else 'Zero Optimization is disabled':<74} |",
-        table([("num_processes", comm.world_size), ("zero_stage", args["z"]), ("communicator", comm.name)]),
+        f"| {'Zero Stage1 is enabled' if s.zero_stage == 1 else 'Zero Optimization is disabled':<74} |",
+        table([("num_processes", comm.world_size), ("zero_stage", s.zero_stage),
+               ("communicator", comm.name)]),
         BORDER])
 
 
-def allocation_lines(model, optimizer, B, T, total_batch, grad_accum, N):
+def allocation_lines(model, optimizer, settings):
     """llm.c's lines on the batch and the memory each buffer takes (MiB rounded down)."""
-    config = model.config
+    config, B, T = model.config, settings.B, settings.T
     param_bytes = config.num_parameters * np.dtype(model.backend.dtype).itemsize
     lines = [f"num_parameters: {config.num_parameters} => bytes: {param_bytes}",
              f"allocated {param_bytes >> 20} MiB for model parameters",
-             f"batch_size B={B} * seq_len T={T} * num_processes={N} and total_batch_size={total_batch}",
-             f"=> setting grad_accum_steps={grad_accum}",
+             f"batch_size B={B} * seq_len T={T} * num_processes={settings.world_size} and "
+             f"total_batch_size={settings.total_batch_size}",
+             f"=> setting grad_accum_steps={settings.grad_accum_steps}",
              f"allocated {param_bytes >> 20} MiB for parameter gradients",
              f"allocated {model.activations(B, T).nbytes >> 20} MiB for activations",
              f"allocated {optimizer.m.nbytes >> 20} MiB for AdamW optimizer state m",

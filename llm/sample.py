@@ -11,17 +11,16 @@ temperature 1, no top-k, seed 1337) it prints what training would print after th
 """
 import math
 import os
-import sys
 
 import numpy as np
 
-from llm import formats, memory
-from llm.backends import BackendError, get_backend, resolve
-from llm.checkpoint import CheckpointError, find_model
-from llm.config import WEIGHTS_HINT, ConfigError
-from llm.launch import Parser
+from llm import formats, launch, memory
+from llm.backends import get_backend, resolve
+from llm.checkpoint import find_model
+from llm.config import WEIGHTS_HINT
+from llm.launch import Parser, UsageError, UserError
 from llm.model import GPT2
-from llm.tokenizer import Tokenizer, TokenizerError, TokenizerFile
+from llm.tokenizer import Tokenizer, TokenizerFile
 
 MASK64 = (1 << 64) - 1
 SEED = 1337           # llm.c's sampler seed, reset for every sample
@@ -117,30 +116,30 @@ def generate_shapes(config, gen_tokens, max_T):
 # ----------------------------------------------------------------------------------------------
 # The command line: python -m llm.sample -e MODEL.bin [--prompt TEXT] [-g N] ...
 
-class UsageError(ValueError):
-    pass
-
-
 def arguments():
-    parser = Parser(prog="python -m llm.sample", description="Print text sampled from a model checkpoint "
-                    "(llm.c's sampler, plus a prompt, temperature and top-k).")
+    parser = Parser(description="Print text sampled from a model checkpoint (llm.c's sampler, plus a prompt, "
+                    "temperature and top-k).")
     parser.add_argument("-e", default="gpt2_124M.bin", metavar="MODEL",
                         help="model checkpoint .bin, or a run's -o directory: its newest complete checkpoint "
-                             "(default: gpt2_124M.bin, which python data/gpt2.py writes)")
-    parser.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: none, start from EOT alone); "
-                                                     "encoding it needs GPT-2's BPE ranks, see --vocab")
+                             "(default: gpt2_124M.bin, which python -m data.gpt2 writes)")
+    parser.add_argument("--prompt", default="", metavar="TEXT",
+                        help="text to continue (default: none, start from EOT alone); encoding it needs "
+                             "GPT-2's BPE ranks, see --vocab")
     parser.add_argument("-g", "-n", dest="n", type=int, default=64, metavar="N",
                         help="new tokens to generate, train_gpt2.py's -g (default: 64)")
     parser.add_argument("--temperature", type=float, default=1.0, metavar="T",
-                        help="divides the logits: below 1 is more conservative, above 1 more random (default: 1)")
+                        help="divides the logits: below 1 is more conservative, above 1 more random "
+                             "(default: 1)")
     parser.add_argument("--top_k", type=int, default=0, metavar="K",
                         help="sample from the k most likely tokens only; 1 is greedy (default: 0, all)")
-    parser.add_argument("--seed", type=int, default=SEED, help=f"the sampler's seed (default: {SEED}, llm.c's)")
+    parser.add_argument("--seed", type=int, default=SEED,
+                        help=f"the sampler's seed (default: {SEED}, llm.c's)")
     parser.add_argument("--backend", default="auto", help="numpy, cupy, or auto: cupy when a GPU is usable")
     parser.add_argument("--tokenizer", default="gpt2_tokenizer.bin", metavar="PATH",
                         help="llm.c's tokenizer file, to decode the text (default: gpt2_tokenizer.bin)")
-    parser.add_argument("--vocab", metavar="PATH", help="GPT-2's BPE ranks, a gpt2.tiktoken file, to encode the prompt "
-                                        "(default: $GPT2_VOCAB, else tiktoken's download)")
+    parser.add_argument("--vocab", metavar="PATH",
+                        help="GPT-2's BPE ranks, a gpt2.tiktoken file, to encode the prompt (default: "
+                             "$GPT2_VOCAB, else tiktoken's download)")
     return parser
 
 
@@ -158,26 +157,27 @@ def check_args(args):
 def main(argv):
     args = arguments().parse_args(argv)
     check_args(args)
-    choice = resolve(args.backend)   # an unknown name fails here, before any file is read
+    name, precision = resolve(args.backend)   # an unknown name fails here, before any file is read
     if not os.path.exists(args.e):
-        raise UsageError(f"{args.e}: no such file: {WEIGHTS_HINT}; `make train` writes "
-                         f"log_train/model_00000250.bin")
+        raise UserError(f"{args.e}: no such file: {WEIGHTS_HINT}; `make train` writes "
+                        f"log_train/model_00000250.bin")
     path = find_model(args.e)
     config = formats.read_model_config(path)   # the parameters are read once the memory is known to suffice
     if not os.path.exists(args.tokenizer):
-        raise UsageError(f"{args.tokenizer}: no such file: `make data` or python data/gpt2.py writes it "
-                         f"(or pass --tokenizer PATH)")
+        raise UserError(f"{args.tokenizer}: no such file: `make data` or python -m data.gpt2 writes it "
+                        f"(or pass --tokenizer PATH)")
     tokenizer = TokenizerFile(args.tokenizer, expected_vocab=config.vocab_size)
     prompt = Tokenizer(args.vocab).encode(args.prompt) if args.prompt else []
     if prompt and max(prompt) >= config.vocab_size:
-        raise UsageError(f"the prompt has token id {max(prompt)}, beyond the model's vocab_size {config.vocab_size}")
+        raise UserError(f"the prompt has token id {max(prompt)}, beyond the model's vocab_size "
+                        f"{config.vocab_size}")
     context = [tokenizer.eot] + prompt
     room = config.max_seq_len - len(context)
     if args.n > room:
-        raise UsageError(f"-g {args.n}: EOT, the prompt's {len(prompt)} tokens and the new tokens must fit "
-                         f"the model's max_seq_len {config.max_seq_len}: "
-                         + (f"ask for -g {room} or fewer" if room > 0 else "shorten the prompt"))
-    backend = get_backend(*choice, cuda_graph=True)   # one launch per token on the GPU
+        raise UserError(f"-g {args.n}: EOT, the prompt's {len(prompt)} tokens and the new tokens must fit "
+                        f"the model's max_seq_len {config.max_seq_len}: "
+                        + (f"ask for -g {room} or fewer" if room > 0 else "shorten the prompt"))
+    backend = get_backend(name, precision, cuda_graph=True)   # one launch per token on the GPU
     shapes = sample_shapes(len(context), args.n, config.max_seq_len)
     memory.check(memory.needed(backend, config, shapes, train=False), backend.memory_available(), ADVICE)
     model = GPT2(config, backend)
@@ -187,12 +187,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (UsageError, formats.FormatError, TokenizerError, BackendError, ConfigError, CheckpointError,
-            memory.NotEnoughMemory) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except MemoryError as e:
-        print(f"error: {memory.out_of_memory(e, ADVICE)}", file=sys.stderr)
-        sys.exit(1)
+    launch.run(main, memory_advice=ADVICE)

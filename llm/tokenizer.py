@@ -13,6 +13,7 @@ import tiktoken.load
 
 from llm import formats
 from llm.config import GPT2_EOT
+from llm.launch import UserError
 
 # GPT-2's pre-tokenizer: contractions, letter runs, digit runs and other symbols (each with at most
 # one leading space), then whitespace. BPE merges happen only inside these pieces.
@@ -22,7 +23,7 @@ VOCAB_ENV = "GPT2_VOCAB"
 NO_VOCAB_HINT = f"pass --vocab PATH to a gpt2.tiktoken file or set {VOCAB_ENV}"
 
 
-class TokenizerError(RuntimeError):
+class TokenizerError(UserError):
     """GPT-2's vocabulary could not be loaded; the one-line message says what to do."""
 
 

@@ -16,12 +16,14 @@ TRAIN = os.path.join(REPO, "train_gpt2.py")
 TINY = ["-e", "d2c64h4", "-b", "4", "-t", "32", "-l", "1e-3", "-s", "0", "-v", "1000", "-m", "2"]
 # llm.c's step line; a z-score before its 128-step window fills, and the MFU where the device's peak is
 # unknown, read "n/a"
-STEP_LINE = re.compile(r"^step +(\d+)/(\d+) \| loss (\d+\.\d{6}) \(([+-]\d+\.\d\dz|z n/a)\)\| norm (\d+\.\d{4}) "
-                       r"\(([+-]\d+\.\d\dz|z n/a)\)\| lr (\d\.\d\de[+-]\d\d) \| (\d+\.\d\d) ms \| "
+STEP_LINE = re.compile(r"^step +(\d+)/(\d+) \| loss (\d+\.\d{6}) \(([+-]\d+\.\d\dz|z n/a)\)\| "
+                       r"norm (\d+\.\d{4}) \(([+-]\d+\.\d\dz|z n/a)\)\| lr (\d\.\d\de[+-]\d\d) \| "
+                       r"(\d+\.\d\d) ms \| "
                        r"(\d+\.\d% (?:fp32|bf16) MFU|(?:fp32|bf16) MFU n/a) \| (\d+) tok/s$")
 
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+MPIEXEC = shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable),
+                                                         os.environ.get("PATH", "")]))
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpi4py mpich)")
 
 
@@ -45,7 +47,8 @@ def rank_pids(marker, rank):
 
 def env():
     """The environment for a child process: the repo importable, no inherited MPI launch variables."""
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_LOCALNRANKS"))}
+    launched = ("PMI_", "OMPI_", "PMIX_", "MPI_LOCALNRANKS")
+    e = {k: v for k, v in os.environ.items() if not k.startswith(launched)}
     e["PYTHONPATH"] = REPO + os.pathsep + e.get("PYTHONPATH", "")
     return e
 

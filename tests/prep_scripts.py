@@ -5,18 +5,19 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO, env
 VOCAB = os.environ.get("GPT2_VOCAB") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
 needs_vocab = pytest.mark.skipif(not os.path.exists(VOCAB), reason=f"GPT-2 ranks not found at {VOCAB} "
                                  "(set GPT2_VOCAB to a gpt2.tiktoken file)")
 
 
 def run_script(name, args, cwd, block=()):
-    """Run data/<name> with `args` in `cwd`; `block` names packages it must see as not installed."""
-    script = os.path.join(REPO, "data", name)
+    """Run python -m data.<name> with `args` in `cwd`; `block` names packages it must see as not installed."""
     code = (f"import runpy, sys; sys.modules.update(dict.fromkeys({list(block)!r})); "   # None: import fails
-            f"sys.argv = {[script, *map(str, args)]!r}; runpy.run_path({script!r}, run_name='__main__')")
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+            f"sys.argv[1:] = {list(map(str, args))!r}; "
+            f"runpy.run_module('data.{name}', run_name='__main__', alter_sys=True)")
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env(), capture_output=True, text=True,
+                          timeout=120)
 
 
 def assert_one_line_error(proc, *problems):

@@ -27,9 +27,12 @@ if not gpu_usable():
 
 from llm.backends.cupy_backend import CupyBackend  # noqa: E402
 from llm.backends.numpy_backend import NumpyBackend  # noqa: E402
+from llm.config import GPT2Config  # noqa: E402
 
 TOL = {"fp32": 1e-5, "bf16": 1e-2}
-SHAPES = {"small": dict(B=2, T=32, C=64, NH=4), "gpt2": dict(B=2, T=1024, C=768, NH=12)}
+D12 = GPT2Config()   # GPT-2 124M
+SHAPES = {"small": dict(B=2, T=32, C=64, NH=4),
+          "gpt2": dict(B=2, T=D12.max_seq_len, C=D12.channels, NH=D12.num_heads)}
 REF = NumpyBackend()
 
 
@@ -260,7 +263,7 @@ def test_gelu_and_residual(gpu, shape):
     assert_close(gpu, compare(gpu, "residual_forward", [np.zeros_like(x1), x1, x2], [0], poison=[0]))
 
 
-@pytest.mark.parametrize("vocab", [(100, 128), (50257, 50304)])
+@pytest.mark.parametrize("vocab", [(100, 128), (D12.vocab_size, D12.padded_vocab_size)])
 @pytest.mark.parametrize("with_grad", [True, False])
 def test_fused_classifier_losses_and_dlogits(gpu, vocab, with_grad):
     rng = np.random.default_rng(6)

@@ -1,10 +1,10 @@
-"""GPT-2 BPE and the data scripts: tiny Shakespeare shards identical to llm.c's, gpt2_tokenizer.bin, HellaSwag.
+"""GPT-2 BPE and the data scripts: tiny Shakespeare shards identical to llm.c's, gpt2_tokenizer.bin,
+HellaSwag.
 
-Needs the local GPT-2 ranks and corpus: $GPT2_VOCAB and $TINYSHAKESPEARE, else ../shared/data beside the repo."""
+Needs the local GPT-2 ranks and corpus: $GPT2_VOCAB and $TINYSHAKESPEARE, else ../shared/data beside the
+repo."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,23 +12,15 @@ import pytest
 
 from llm import formats
 from llm.tokenizer import Tokenizer, TokenizerFile
+from conftest import REPO
+from prep_scripts import VOCAB, needs_vocab, run_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(REPO, "..", "shared", "data")
-VOCAB = os.environ.get("GPT2_VOCAB") or os.path.join(SHARED, "gpt2.tiktoken")
 CORPUS = os.environ.get("TINYSHAKESPEARE") or os.path.join(SHARED, "tinyshakespeare.txt")
 EOT = 50256
 
-needs_vocab = pytest.mark.skipif(not os.path.exists(VOCAB), reason=f"GPT-2 ranks not found at {VOCAB} "
-                                 "(set GPT2_VOCAB to a gpt2.tiktoken file)")
-needs_corpus = pytest.mark.skipif(not os.path.exists(CORPUS), reason=f"tiny Shakespeare not found at {CORPUS} "
-                                  "(set TINYSHAKESPEARE to the corpus)")
-
-
-def run_script(name, args, cwd):
-    """Run data/<name>.py in `cwd`; return the CompletedProcess (text output)."""
-    return subprocess.run([sys.executable, os.path.join(REPO, "data", name), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+needs_corpus = pytest.mark.skipif(not os.path.exists(CORPUS), reason=f"tiny Shakespeare not found at "
+                                  f"{CORPUS} (set TINYSHAKESPEARE to the corpus)")
 
 
 def header(path):
@@ -42,10 +34,10 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def shakespeare(tmp_path_factory):
-    """Run data/tinyshakespeare.py once: the output paths and what it printed."""
+    """Run python -m data.tinyshakespeare once: the output paths and what it printed."""
     out = tmp_path_factory.mktemp("tinyshakespeare")
     tok = out / "gpt2_tokenizer.bin"
-    proc = run_script("tinyshakespeare.py", ["--input", CORPUS, "--vocab", VOCAB, "--out", str(out),
+    proc = run_script("tinyshakespeare", ["--input", CORPUS, "--vocab", VOCAB, "--out", str(out),
                                              "--tokenizer", str(tok)], cwd=out)
     assert proc.returncode == 0, proc.stderr
     return dict(train=out / "tiny_shakespeare_train.bin", val=out / "tiny_shakespeare_val.bin",
@@ -77,7 +69,7 @@ def test_tinyshakespeare_gives_llmc_shards_of_305260_train_and_32768_val_tokens(
 @needs_vocab
 @needs_corpus
 def test_every_section_is_eot_then_its_text_with_its_blank_line(shakespeare, tokenizer):
-    tokens = np.concatenate([formats.read_shard(shakespeare["val"]), formats.read_shard(shakespeare["train"])])
+    tokens = np.concatenate([formats.read_shard(shakespeare[split]) for split in ("val", "train")])
     assert tokens[0] == EOT
     starts = np.flatnonzero(tokens == EOT)   # the text itself never encodes to EOT
     documents = [tokenizer.decode(d[1:].tolist()) for d in np.split(tokens, starts[1:])]
@@ -111,7 +103,7 @@ def test_tokenizer_file_decodes_exactly_as_tiktoken(shakespeare, tokenizer):
 
 def test_missing_input_is_one_line_and_exit_1(tmp_path):
     missing = tmp_path / "missing.txt"
-    proc = run_script("tinyshakespeare.py", ["--input", str(missing), "--out", str(tmp_path)], cwd=tmp_path)
+    proc = run_script("tinyshakespeare", ["--input", str(missing), "--out", str(tmp_path)], cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr == f"error: {missing}: no such file\n"
     assert os.listdir(tmp_path) == []
@@ -120,7 +112,7 @@ def test_missing_input_is_one_line_and_exit_1(tmp_path):
 @needs_corpus
 def test_missing_vocab_is_one_line_and_exit_1(tmp_path):
     missing = tmp_path / "gpt2.tiktoken"
-    proc = run_script("tinyshakespeare.py", ["--input", CORPUS, "--vocab", str(missing), "--out", str(tmp_path)],
+    proc = run_script("tinyshakespeare", ["--input", CORPUS, "--vocab", str(missing), "--out", str(tmp_path)],
                       cwd=tmp_path)
     assert proc.returncode == 1
     hint = "pass --vocab PATH to a gpt2.tiktoken file or set GPT2_VOCAB"
@@ -128,13 +120,15 @@ def test_missing_vocab_is_one_line_and_exit_1(tmp_path):
 
 
 HELLASWAG = [
-    {"ind": 24, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.", "ctx_b": "he",
+    {"ind": 24, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.",
+     "ctx_b": "he",
      "ctx": "A man is sitting on a roof. he", "split": "val", "split_type": "indomain", "label": 3,
      "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
                  "is holding a rubik's cube.", "starts pulling up roofing on a roof."]},
     {"ind": 92, "ctx": "A woman is outside with a bucket and a dog.", "label": 0,
      "endings": ["She rinses the bucket off.", "She jumps in.", "She paints.", "She leaves."]},
-    {"ind": 106, "ctx": "Two people play tennis", "label": 2, "endings": ["well", "badly", "all day", "at night"]},
+    {"ind": 106, "ctx": "Two people play tennis", "label": 2,
+     "endings": ["well", "badly", "all day", "at night"]},
 ]
 
 
@@ -143,7 +137,7 @@ def test_hellaswag_examples_are_context_and_space_led_endings(tmp_path, tokenize
     jsonl = tmp_path / "hellaswag_val.jsonl"
     jsonl.write_text("".join(json.dumps(e) + "\n" for e in HELLASWAG))
     out = tmp_path / "hellaswag"
-    proc = run_script("hellaswag.py", ["--input", str(jsonl), "--vocab", VOCAB, "--out", str(out)], cwd=tmp_path)
+    proc = run_script("hellaswag", ["--input", str(jsonl), "--vocab", VOCAB, "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     path = out / "hellaswag_val.bin"
     assert f"writing 3 examples to {path}" in proc.stdout
@@ -162,6 +156,6 @@ def test_hellaswag_bad_line_names_the_line(tmp_path):
     jsonl = tmp_path / "hellaswag_val.jsonl"
     jsonl.write_text(json.dumps(HELLASWAG[0]) + "\n" + json.dumps({"ctx": "x", "label": 1}) + "\n")
     args = ["--input", str(jsonl), "--vocab", VOCAB, "--out", str(tmp_path)]
-    proc = run_script("hellaswag.py", args, cwd=tmp_path)
+    proc = run_script("hellaswag", args, cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr == f"error: {jsonl} line 2: not a HellaSwag example (KeyError: 'endings')\n"

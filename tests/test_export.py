@@ -63,7 +63,7 @@ def exported(cwd, *args):
 
 def read_back(tmp_path, folder):
     """data/gpt2.py --input folder: the llm.c model files it writes, (fp32 path, bf16 path)."""
-    proc = run_script("gpt2.py", ["--input", folder, "--vocab", VOCAB, "--out", tmp_path / "back"],
+    proc = run_script("gpt2", ["--input", folder, "--vocab", VOCAB, "--out", tmp_path / "back"],
                       cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     return tmp_path / "back" / "gpt2_d2c64h4.bin", tmp_path / "back" / "gpt2_d2c64h4_bf16.bin"

@@ -1,5 +1,6 @@
 """Nothing lost, nothing hung, no traceback: train_gpt2.py against bad flags, bad files, signals, full disks,
-a second run in the same directory, and runs that diverge. Each bad input gets one line and a non-zero exit."""
+a second run in the same directory, and runs that diverge. Each bad input gets one line and a non-zero
+exit."""
 import os
 import re
 import resource
@@ -16,11 +17,9 @@ from llm import checkpoint, formats
 from llm.backends import gpu_missing
 from llm.config import GPT2Config
 from llm.weight_init import init_params
+import train_gpt2   # (importing it installs nothing: that happens under __main__ only)
 from conftest import (REPO, TINY, TRAIN, data_args, env, mpirun, needs_mpiexec, rank_pids, run_train,
                       step_losses)
-
-sys.path.insert(0, REPO)
-import train_gpt2  # noqa: E402   (importing it installs nothing: that happens under __main__ only)
 
 P = 3385088   # d2c64h4's parameters
 
@@ -79,8 +78,10 @@ def test_checkpoint_flags_need_an_output_dir():
 
 
 def test_flags_that_are_fine_pass():
-    args = train_gpt2.parse_args(["-x", "-1", "-d", "-1", "-m", "-1", "-q", "0", "-l", "0", "-o", "out", "-y", "1"])
-    assert (args["x"], args["d"], args["m"], args["q"], args["l"], args["y"]) == (-1, -1, -1, 0.0, 0.0, 1)
+    s = train_gpt2.parse_args(["-x", "-1", "-d", "-1", "-m", "-1", "-q", "0", "-l", "0", "-o", "out",
+                               "-y", "1"])
+    assert (s.max_steps, s.total_batch_size, s.val_max_steps, s.final_learning_rate_frac, s.learning_rate,
+            s.resume) == (-1, -1, -1, 0.0, 0.0, 1)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -107,8 +108,8 @@ def test_an_epoch_shorter_than_one_step_is_refused_and_val_batches_are_capped_at
     """One epoch (-x -1) of 8192 tokens with -d 65536 was 0 steps: a run that trained nothing and exited 0.
     -m beyond the val split's 16 batches read batches twice."""
     proc = run_train(TINY + data_args() + ["-d", str(65536)], cwd=shards, check=False)
-    assert_one_line_error(proc, "error: one epoch of 'data/train.bin' (8192 tokens) is less than one step's total "
-                                "batch of 65536: use a smaller -d, or -x")
+    assert_one_line_error(proc, "error: one epoch of 'data/train.bin' (8192 tokens) is less than one step's "
+                                "total batch of 65536: use a smaller -d, or -x")
     out = run_train(TINY + data_args() + ["-x", "1", "-m", "1000"], cwd=shards).stdout
     assert re.search(r"^\| val_num_batches +\| 16 +\|$", out, re.M)
 
@@ -135,7 +136,8 @@ def write_tiny_model(path, poison=None, config=None):
 def test_a_model_file_holding_nan_or_inf_is_refused_at_load(shards, poison):
     write_tiny_model(shards / "poisoned.bin", poison)
     proc = run_train(["-e", "poisoned.bin"] + TINY[2:] + data_args() + ["-x", "1"], cwd=shards, check=False)
-    assert_one_line_error(proc, "error: poisoned.bin: the model holds NaN or infinite values (1, the first in wte)")
+    assert_one_line_error(proc, "error: poisoned.bin: the model holds NaN or infinite values (1, the first "
+                                "in wte)")
 
 
 def poke(a, i, x):
@@ -152,14 +154,16 @@ def poke(a, i, x):
     # once a ValueError traceback
     (lambda s: dict(loss_window=[1.0] * 200), "an outlier window holds at most 128 values, got 200"),
     # once a line that did not say which file
-    (lambda s: dict(loader_state=(0, 10**6)), "loader state (epoch 0, position 1000000) does not fit 'data/train.bin'"),
+    (lambda s: dict(loader_state=(0, 10**6)),
+     "loader state (epoch 0, position 1000000) does not fit 'data/train.bin'"),
 ])
 def test_a_state_file_holding_garbage_is_refused_at_resume(shards, damage, message):
     run_train(TINY + data_args() + ["-x", "2", "-n", "2", "-o", "ck"], cwd=shards)
     path = checkpoint.state_path(shards / "ck", 2)
     state = formats.read_state(path, P)
-    formats.write_state(path, **{**dict(step=2, num_processes=1, rng_state=0, loader_state=state["loader_state"],
-                                        m=state["m"], v=state["v"]), **damage(state)})
+    formats.write_state(path, **{**dict(step=2, num_processes=1, rng_state=0,
+                                        loader_state=state["loader_state"], m=state["m"], v=state["v"]),
+                                 **damage(state)})
     proc = run_train(TINY + data_args() + ["-x", "4", "-o", "ck", "-y", "1"], cwd=shards, check=False)
     assert_one_line_error(proc, f"error: {os.path.join('ck', 'state_00000002.bin')}: {message}")
 
@@ -177,7 +181,8 @@ def test_a_tokenizer_of_another_vocab_is_refused_at_start(shards):
     formats.write_tokenizer(shards / "gpt2_tokenizer.bin", [b"x%d" % i for i in range(1000)], 999)
     proc = run_train(TINY[:-8] + ["-v", "1000", "-m", "2", "-s", "5"] + data_args() + ["-x", "5"], cwd=shards,
                      check=False)
-    assert_one_line_error(proc, "gpt2_tokenizer.bin: vocab mismatch: tokenizer has 1000 tokens, model expects 50257")
+    assert_one_line_error(proc, "gpt2_tokenizer.bin: vocab mismatch: tokenizer has 1000 tokens, model "
+                                "expects 50257")
     assert "step " not in proc.stdout
 
 
@@ -215,14 +220,14 @@ def test_a_model_with_its_own_vocab_samples_and_evaluates_with_its_own_eot(shard
     assert re.search(r"generating:\n---\n(<\d+>){4}\n---", out)
 
 
-# ---------------------------------------------------------------------------------------------- the output dir
+# ------------------------------------------------------------------------------------------- the output dir
 
-def start_long_run(shards, out, extra=(), launcher=()):
+def start_long_run(shards, out, extra=(), launcher=(), steps=100000):
     """A run that would go on for a long time, started once its first step line is out."""
     log = open(shards / f"{out}.stdout", "w")
-    proc = subprocess.Popen([*launcher, sys.executable, TRAIN, *TINY, *data_args(), "-x", "100000", "-o", out,
-                             *extra], cwd=shards, env=env(), stdout=log, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen([*launcher, sys.executable, TRAIN, *TINY, *data_args(), "-x", str(steps),
+                             "-o", out, *extra], cwd=shards, env={**env(), "PYTHONUNBUFFERED": "1"},
+                            stdout=log, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None and "step    2/" not in open(log.name).read():
         time.sleep(0.1)
@@ -234,7 +239,8 @@ def test_a_second_run_into_a_directory_in_use_refuses(shards):
     """Two runs writing one -o once made a DONE checkpoint of one run's model and the other's state."""
     first = start_long_run(shards, "ck", ["-n", "1"])
     try:
-        proc = run_train(TINY + data_args() + ["-x", "2", "-n", "1", "-o", "ck", "-y", "1"], cwd=shards, check=False)
+        proc = run_train(TINY + data_args() + ["-x", "2", "-n", "1", "-o", "ck", "-y", "1"], cwd=shards,
+                         check=False)
         assert_one_line_error(proc, f"-o ck: the run of pid {first.pid} on ")
         assert "is writing there: wait for it to end, or use another -o" in proc.stderr
     finally:
@@ -307,7 +313,7 @@ def test_a_run_whose_lock_is_deleted_stops_before_it_writes_again(shards):
 
 def limit_file_size(nbytes):
     def preexec():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))   # Python ignores SIGXFSZ: writes get EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))   # Python ignores SIGXFSZ: EFBIG
     return preexec
 
 
@@ -315,17 +321,17 @@ def limit_file_size(nbytes):
 def test_a_checkpoint_that_cannot_be_written_stops_with_one_line_and_the_last_one_stays(shards, fault):
     run_train(TINY + data_args() + ["-x", "2", "-n", "2", "-o", "ck"], cwd=shards)
     args = TINY + data_args() + ["-x", "4", "-n", "2", "-o", "ck", "-y", "1"]
-    if fault == "a file size limit":   # the model file (13.5 MB) fits under it, the state file (27 MB) does not
+    if fault == "a file size limit":   # the model file (13.5 MB) fits under it, the state file (27 MB) not
         preexec, problem, left = limit_file_size(20 << 20), "(File too large)", []
     else:
         os.makedirs(shards / "ck" / "model_00000004.bin")
         preexec, problem, left = None, "Is a directory", ["model_00000004.bin"]
-    proc = subprocess.run([sys.executable, TRAIN, *args], cwd=shards, env=env(), capture_output=True, text=True,
-                          timeout=300, preexec_fn=preexec)
+    proc = subprocess.run([sys.executable, TRAIN, *args], cwd=shards, env=env(), capture_output=True,
+                          text=True, timeout=300, preexec_fn=preexec)
     assert_one_line_error(proc, "error: cannot write the checkpoint at step 4 in ck (")
     assert problem in proc.stderr and "; the checkpoint at step 2 is intact: -y 1 resumes it" in proc.stderr
-    assert sorted(os.listdir(shards / "ck")) == sorted(["DONE_00000002", "LOCK", "main.log", "model_00000002.bin",
-                                                        "state_00000002.bin"] + left)
+    assert sorted(os.listdir(shards / "ck")) == sorted(["DONE_00000002", "LOCK", "main.log",
+                                                        "model_00000002.bin", "state_00000002.bin"] + left)
     if left:
         os.rmdir(shards / "ck" / left[0])
     assert "resuming from checkpoint at step 2" in run_train(args, cwd=shards).stdout
@@ -336,7 +342,8 @@ def test_a_full_disk_under_the_log_stops_with_one_line(shards):
     os.makedirs(shards / "out")
     os.symlink("/dev/full", shards / "out" / "main.log")   # every write there fails with ENOSPC
     proc = run_train(TINY + data_args() + ["-x", "2", "-o", "out"], cwd=shards, check=False)
-    assert_one_line_error(proc, f"error: cannot write {os.path.join('out', 'main.log')} (No space left on device)")
+    assert_one_line_error(proc, f"error: cannot write {os.path.join('out', 'main.log')} (No space left on "
+                                f"device)")
 
 
 # ---------------------------------------------------------------------------------------------- changing data
@@ -387,8 +394,8 @@ def test_a_checkpoint_past_the_last_step_is_refused(shards):
     """A checkpoint at step 2 and -x 1: the run once did nothing at all and exited 0."""
     run_train(TINY + data_args() + ["-x", "2", "-n", "2", "-o", "ck"], cwd=shards)
     proc = run_train(TINY + data_args() + ["-x", "1", "-o", "ck", "-y", "1"], cwd=shards, check=False)
-    assert_one_line_error(proc, "error: -o ck: its newest checkpoint is at step 2, past this run's last step 1: "
-                                "raise -x to train on")
+    assert_one_line_error(proc, "error: -o ck: its newest checkpoint is at step 2, past this run's last "
+                                "step 1: raise -x to train on")
 
 
 def flip_bits(path, byte_offsets):
@@ -458,7 +465,8 @@ def test_when_every_checkpoint_is_damaged_the_newest_ones_problem_is_the_line(sh
 
 
 def test_resume_with_another_seq_len_or_train_data_is_refused(shards):
-    """The saved position counts samples of T+1 tokens of one train set: elsewhere it would skip or repeat data."""
+    """The saved position counts samples of T+1 tokens of one train set: elsewhere it would skip or repeat
+    data."""
     run_train(TINY + data_args() + ["-x", "2", "-n", "2", "-o", "ck"], cwd=shards)
     state = os.path.join("ck", "state_00000002.bin")
     proc = run_train(TINY[:4] + ["-t", "16"] + TINY[6:] + data_args() + ["-x", "4", "-o", "ck", "-y", "1"],
@@ -474,7 +482,8 @@ def test_resume_with_another_seq_len_or_train_data_is_refused(shards):
 def test_resume_restores_the_outlier_windows_exactly(shards):
     """The -sl/-sg windows fill at step 129; a run resumed at 130 must print the same z-scores and skip the
     same updates as the run that went on (once it restarted with empty windows and differed by 6.5e-3)."""
-    args = ["-e", "d1c16h4", "-b", "1", "-t", "8"] + TINY[6:] + data_args() + ["-x", "136", "-sl", "0.1", "-o", "ck"]
+    args = ["-e", "d1c16h4", "-b", "1", "-t", "8"] + TINY[6:] + data_args() + ["-x", "136", "-sl", "0.1",
+                                                                             "-o", "ck"]
     full = run_train(args + ["-n", "130"], cwd=shards).stdout
     checkpoint.delete(shards / "ck", 136)
     resumed = run_train(args + ["-y", "1"], cwd=shards).stdout
@@ -492,8 +501,19 @@ def test_a_diverged_run_stops_after_max_nonfinite_steps_in_a_row(shards):
     proc = run_train(args + ["-x", "50"], cwd=shards, check=False)   # --max-nonfinite 5
     assert_one_line_error(proc, "error: stopping: 5 steps in a row had a non-finite loss or grad norm")
     assert proc.stdout.count("skipping update: non-finite") == 4 and "step    6/50" not in proc.stdout
-    out = run_train(args + ["-x", "8", "--max-nonfinite", "0"], cwd=shards).stdout   # 0: never stop
-    assert out.count("skipping update: non-finite") == 7
+    proc = run_train(args + ["-x", "8", "--max-nonfinite", "0"], cwd=shards, check=False)   # 0: never stop
+    assert proc.stdout.count("skipping update: non-finite") == 7
+    # but the run ends diverged, and says so
+    assert_one_line_error(proc, "error: the run ended with a non-finite loss (val nan, train nan)")
+
+
+def test_a_run_that_ends_with_a_non_finite_loss_exits_non_zero(shards):
+    """Diverged in fewer steps than --max-nonfinite: the run once went on to its end and exited 0."""
+    args = TINY[:6] + ["-l", "1e30"] + TINY[8:] + data_args() + ["-x", "3"]
+    proc = run_train(args, cwd=shards, check=False)
+    assert proc.stdout.count("skipping update: non-finite") == 2 and "step    3/3" in proc.stdout
+    assert_one_line_error(proc, "error: the run ended with a non-finite loss (val nan, train nan): it "
+                                "diverged; lower -l, or resume from an earlier checkpoint")
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
@@ -519,13 +539,54 @@ def test_non_finite_loss_never_reaches_the_weights():
 
 # ---------------------------------------------------------------------------------------------- signals
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_stops_a_single_process_with_one_line(shards, sig):
     proc = start_long_run(shards, "out")
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 128 + sig
     assert stderr.strip() == f"stopped by {sig.name}"
+
+
+def test_sigusr1_writes_a_checkpoint_that_resumes_bit_for_bit(shards):
+    """Slurm's warning before it pre-empts a job (srun --signal=USR1@90): the step ends, a checkpoint is
+    written, and -y 1 goes on with the losses of the run that was never stopped."""
+    full = step_losses(run_train(TINY + data_args() + ["-x", "20"], cwd=shards).stdout)
+    proc = start_long_run(shards, "ck", steps=20)
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=60)
+    stopped = re.fullmatch(r"stopped by SIGUSR1 at step (\d+): its checkpoint is in ck, -y 1 resumes it\n",
+                           stderr)
+    assert proc.returncode == 128 + signal.SIGUSR1 and stopped, (proc.returncode, stderr)
+    step = int(stopped.group(1))
+    assert 2 <= step < 20 and checkpoint.latest_step(shards / "ck") == step
+    resumed = run_train(TINY + data_args() + ["-x", "20", "-o", "ck", "-y", "1"], cwd=shards).stdout
+    assert f"resuming from checkpoint at step {step}" in resumed
+    assert len(full) == 20 and step_losses(resumed) == full[step:]
+
+
+def test_sigusr1_without_an_output_dir_says_there_is_nothing_to_save(shards):
+    proc = subprocess.Popen([sys.executable, TRAIN, *TINY, *data_args(), "-x", "100000"], cwd=shards,
+                            env={**env(), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while (line := proc.stdout.readline()) and not line.startswith("step    1/"):
+        pass
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGUSR1
+    assert stderr == "stopped by SIGUSR1: without -o there is nothing to save\n"
+
+
+@needs_mpiexec
+def test_sigusr1_to_one_rank_under_mpiexec_checkpoints_and_stops_every_rank(shards):
+    """The ranks agree at each step whether any of them got the signal: all write the checkpoint, all stop."""
+    proc = start_long_run(shards, "sig", ["-z", "1"], launcher=mpirun(2))
+    os.kill(rank_pids("sig", 1)[0], signal.SIGUSR1)
+    code, stderr, _ = wait_for_the_end(proc, "sig", timeout=60)
+    stopped = re.fullmatch(r"rank 0: stopped by SIGUSR1 at step (\d+): its checkpoint is in sig, -y 1 "
+                           r"resumes it", stderr.strip())
+    assert code != 0 and stopped, (code, stderr)
+    assert checkpoint.latest_step(shards / "sig") == int(stopped.group(1))
 
 
 def wait_for_the_end(proc, marker, timeout=30):
@@ -558,7 +619,7 @@ def test_a_signal_under_mpiexec_stops_every_rank_with_one_line(shards, sig, targ
         os.kill(rank_pids("sig", 1)[0], sig)
     code, stderr, seconds = wait_for_the_end(proc, "sig")
     assert code != 0 and seconds < 10, (code, seconds, stderr)
-    assert re.fullmatch(rf"rank \d: stopped by {sig.name}", stderr.strip()), stderr   # once MPICH's abort line too
+    assert re.fullmatch(rf"rank \d: stopped by {sig.name}", stderr.strip()), stderr   # once MPICH's too
 
 
 @needs_mpiexec
@@ -576,12 +637,14 @@ def test_a_second_ctrl_c_under_mpiexec_still_ends_every_rank_with_a_non_zero_cod
 
 @needs_mpiexec
 @pytest.mark.parametrize("args, message", [
-    (["-b", "0"], "rank 0: error: -b 0: must be positive (micro batch size B per process) (--help lists the flags)"),
+    (["-b", "0"],
+     "rank 0: error: -b 0: must be positive (micro batch size B per process) (--help lists the flags)"),
     (["-o", "data/train.bin"], "rank 0: error: -o data/train.bin: exists and is not a directory"),
 ])
 def test_bad_input_under_mpiexec_is_one_line_and_every_rank_stops(shards, args, message):
     """Every rank sees a bad flag, rank 0 alone a bad -o: either way one line, from rank 0 (once also MPICH's
-    'Abort(1) on node 0 ...', and sometimes no line at all: the job ended before the launcher passed it on)."""
+    'Abort(1) on node 0 ...', and sometimes no line at all: the job ended before the launcher passed it
+    on)."""
     proc = run_train(TINY + data_args() + ["-x", "1"] + args, cwd=shards, check=False, launcher=mpirun(2))
     assert proc.returncode == 1 and proc.stderr.strip() == message, proc.stderr
 
@@ -590,8 +653,8 @@ def test_bad_input_under_mpiexec_is_one_line_and_every_rank_stops(shards, args, 
 def test_an_unexpected_exception_on_one_rank_prints_its_traceback_and_stops_every_rank(shards):
     proc = subprocess.Popen(mpirun(2) + [sys.executable, os.path.join(REPO, "tests", "mpi_crash.py"), *TINY,
                                          *data_args(), "-x", "100000", "-o", "crash"],
-                            cwd=shards, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            cwd=shards, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     code, stderr, _ = wait_for_the_end(proc, "crash", timeout=60)
     assert code != 0
     assert "rank 1: Traceback (most recent call last)" in stderr
@@ -599,21 +662,32 @@ def test_an_unexpected_exception_on_one_rank_prints_its_traceback_and_stops_ever
 
 
 def test_threads_per_rank_are_the_cores_shared_among_the_local_ranks(monkeypatch):
+    from threadpoolctl import threadpool_info, threadpool_limits
     from llm import launch
+
+    def blas_threads():
+        return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()   # nothing leaks into later tests
-                                        if k not in (*launch.THREAD_VARS, *launch.LOCAL_SIZE_VARS, *launch.YIELD_VARS)})
+                                        if k not in (*launch.THREAD_VARS, *launch.LOCAL_SIZE_VARS,
+                                                     *launch.YIELD_VARS)})
     monkeypatch.setattr(launch, "cores", lambda: 8)
-    os.environ["MPI_LOCALNRANKS"] = "3"                       # mpich's hydra
-    assert launch.threads_per_rank() == 2
-    os.environ["OMP_NUM_THREADS"] = "1"                       # what the user sets stays
-    launch.configure_threads()
-    assert os.environ["OPENBLAS_NUM_THREADS"] == "2" and os.environ["OMP_NUM_THREADS"] == "1"
-    assert not set(launch.YIELD_VARS) & set(os.environ)        # 3 ranks on 8 cores: waiting may spin
-    del os.environ["MPI_LOCALNRANKS"]
-    os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"] = "16"           # Open MPI, more ranks than cores
-    assert launch.threads_per_rank() == 1
-    launch.configure_threads()
-    assert all(os.environ[name] == value for name, value in launch.YIELD_VARS.items())
+    with threadpool_limits(5):   # BLAS's pools as they were, afterwards
+        os.environ["MPI_LOCALNRANKS"] = "3"                       # mpich's hydra
+        assert launch.threads_per_rank() == 2
+        launch.limit_threads()
+        assert blas_threads() == {2}                               # numpy's BLAS, sized after it loaded
+        assert not set(launch.YIELD_VARS) & set(os.environ)        # 3 ranks on 8 cores: waiting may spin
+        os.environ["OMP_NUM_THREADS"] = "1"                       # what the user sets stays: BLAS read it
+        threadpool_limits(5)
+        launch.limit_threads()
+        assert blas_threads() == {5}
+        del os.environ["MPI_LOCALNRANKS"], os.environ["OMP_NUM_THREADS"]
+        os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"] = "16"           # Open MPI, more ranks than cores
+        assert launch.threads_per_rank() == 1
+        launch.limit_threads()
+        assert blas_threads() == {1}
+        assert all(os.environ[name] == value for name, value in launch.YIELD_VARS.items())
 
 
 @needs_mpiexec
@@ -622,7 +696,8 @@ def test_ranks_on_few_cores_share_them_instead_of_oversubscribing(shards):
     the CPU time of -np 1 (and took 5 times as long). Sized per local rank, they cost about the same."""
     def cpu_seconds(n):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        run_train(TINY[:2] + ["-b", str(4 // n)] + TINY[4:] + data_args() + ["-d", "128", "-x", "6", "-z", "1"],
+        run_train(TINY[:2] + ["-b", str(4 // n)] + TINY[4:] + data_args() + ["-d", "128", "-x", "6",
+                                                                           "-z", "1"],
                   cwd=shards, launcher=mpirun(n) if n > 1 else ())
         after = resource.getrusage(resource.RUSAGE_CHILDREN)   # the ranks are mpiexec's children's children
         return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime

@@ -16,14 +16,14 @@ from prep_scripts import VOCAB, assert_one_line_error, needs_vocab, run_script
 EOT = 50256
 SHARD_SIZE = 100
 NO_DATA_PACKAGES = ["datasets", "pyarrow", "tqdm"]
-DOCUMENTS = [f"Document {i}: " + " ".join(["the quick brown fox", "jumps over", "caf\u00e9 \U0001F600",
-                                              "<|endoftext|> is text here", "line\nbreak"][: 1 + i % 5]) * (1 + i % 7)
-             for i in range(40)]
+PHRASES = ["the quick brown fox", "jumps over", "caf\u00e9 \U0001F600", "<|endoftext|> is text here",
+           "line\nbreak"]
+DOCUMENTS = [f"Document {i}: " + " ".join(PHRASES[: 1 + i % 5]) * (1 + i % 7) for i in range(40)]
 TXT = "A whole file is one document.\n\nEven with blank lines in it.\n"
 
 
 def fineweb(args, cwd, block=NO_DATA_PACKAGES):
-    return run_script("fineweb.py", args, cwd, block)
+    return run_script("fineweb", args, cwd, block)
 
 
 def shard_names(out):
@@ -138,7 +138,8 @@ def test_without_input_fineweb_is_streamed_from_the_hub_and_sharded_alike(tmp_pa
             "--shard_size", SHARD_SIZE, "--workers", 2]
     proc = fineweb(args, cwd=tmp_path, block=["tqdm"])
     assert proc.returncode == 0, proc.stderr
-    assert "load_dataset(HuggingFaceFW/fineweb-edu, name=sample-100BT, split=train, streaming=True)" in proc.stdout
+    assert ("load_dataset(HuggingFaceFW/fineweb-edu, name=sample-100BT, split=train, streaming=True)"
+            in proc.stdout)
     out, _ = shards[1]
     for name in shard_names(out):
         assert (tmp_path / "out" / f"edu_{name}").read_bytes() == (out / name).read_bytes(), name
@@ -160,7 +161,8 @@ def test_missing_or_unknown_file_is_one_line_before_any_work(tmp_path, inputs):
     csv = tmp_path / "docs.csv"
     csv.write_text("text\nhello\n")
     proc = fineweb(["--input", csv, "--out", tmp_path / "out"], cwd=tmp_path)
-    assert_one_line_error(proc, f"error: {csv}: unknown file type: --input takes .txt, .jsonl, .parquet files")
+    assert_one_line_error(proc, f"error: {csv}: unknown file type: --input takes .txt, .jsonl, .parquet "
+                                f"files")
 
 
 @needs_vocab
@@ -172,7 +174,8 @@ def test_missing_or_unknown_file_is_one_line_before_any_work(tmp_path, inputs):
 def test_bad_jsonl_line_is_one_line_naming_it(tmp_path, line, problem, workers):
     jsonl = tmp_path / "bad.jsonl"
     jsonl.write_text(json.dumps({"text": "a good line"}) + "\n" + line + "\n")
-    proc = fineweb(["--input", jsonl, "--vocab", VOCAB, "--out", tmp_path, "--workers", workers], cwd=tmp_path)
+    proc = fineweb(["--input", jsonl, "--vocab", VOCAB, "--out", tmp_path, "--workers", workers],
+                   cwd=tmp_path)
     assert_one_line_error(proc, f'error: {jsonl} line 2: not a JSON object with a "text" string', problem)
 
 

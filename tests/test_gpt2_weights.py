@@ -1,4 +1,5 @@
-"""data/gpt2.py: a tiny GPT-2 in Hugging Face's exact layout becomes llm.c's model files that compute the same logits.
+"""python -m data.gpt2: a tiny GPT-2 in Hugging Face's exact layout becomes llm.c's model files that compute
+the same logits.
 
 The tiny model (L=2, C=64, NH=4, maxT=32, V=50257) is saved as HF does: Conv1D weights (in, out), the
 causal-mask buffers, with and without the "transformer." prefix, with and without a tied lm_head.
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from llm import formats
-from llm.config import GPT2Config
+from llm.config import GPT2_PADDED, GPT2Config
 from llm.layout import ParamViews
 from prep_scripts import VOCAB, assert_one_line_error, needs_vocab, run_script
 from reference.gpt2 import gpt2_forward
@@ -20,7 +21,8 @@ from reference.gpt2 import gpt2_forward
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 L, C, NH, maxT, V = 2, 64, 4, 32, 50257
-TINY = GPT2Config(max_seq_len=maxT, vocab_size=V, padded_vocab_size=50304, num_layers=L, num_heads=NH, channels=C)
+TINY = GPT2Config(max_seq_len=maxT, vocab_size=V, padded_vocab_size=GPT2_PADDED, num_layers=L, num_heads=NH,
+                  channels=C)
 
 
 def hf_gpt2(seed=0):
@@ -77,7 +79,7 @@ def hf_forward(t, x):
 
 
 def convert(args, cwd, block=()):
-    return run_script("gpt2.py", args, cwd, block)
+    return run_script("gpt2", args, cwd, block)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,8 @@ def model_folder(tmp_path_factory, hf):
 
 
 def save_prefixed(tmp_path, hf, lm_head=None):
-    """The transformer.-prefixed names of GPT2LMHeadModel's state dict, with lm_head.weight and .masked_bias."""
+    """The transformer.-prefixed names of GPT2LMHeadModel's state dict, with lm_head.weight and
+    .masked_bias."""
     t = {"transformer." + k: v for k, v in hf.items()}
     for l in range(L):
         t[f"transformer.h.{l}.attn.masked_bias"] = np.array(-1e4, np.float32)
@@ -123,7 +126,7 @@ def test_converted_model_computes_the_logits_of_the_hf_model(converted, hf):
     x = np.random.default_rng(1).integers(0, V, (2, maxT))
     logits, _, _ = gpt2_forward(dict(ParamViews(params, config)), config, x)
     expected = hf_forward(hf, x)
-    assert np.abs(expected).max() > 1.0                          # logits large enough for a wrong layout to show
+    assert np.abs(expected).max() > 1.0                          # large enough for a wrong layout to show
     np.testing.assert_allclose(logits[..., :V], expected, rtol=0, atol=1e-5)
     assert np.all(logits[..., V:] == 0)                          # the padded rows of wte are 0
 
@@ -132,7 +135,8 @@ def test_converted_model_computes_the_logits_of_the_hf_model(converted, hf):
 def test_header_is_llmc_slots_with_vocab_padded_to_50304(converted):
     out, stdout = converted
     assert np.fromfile(out / "gpt2_d2c64h4.bin", "<i4", 8).tolist() == [20240326, 3, maxT, V, L, NH, C, 50304]
-    assert np.fromfile(out / "gpt2_d2c64h4_bf16.bin", "<i4", 8).tolist() == [20240326, 5, maxT, V, L, NH, C, 50304]
+    assert np.fromfile(out / "gpt2_d2c64h4_bf16.bin", "<i4", 8).tolist() == [20240326, 5, maxT, V, L, NH, C,
+                                                                              50304]
     assert "GPT-2 d2c64h4: L=2, C=64, NH=4, maxT=32, V=50257, Vp=50304: 3,321,600 parameters" in stdout
     assert f"writing {out / 'gpt2_d2c64h4_bf16.bin'} (version 5, bf16)" in stdout
     assert TINY.num_parameters == 50304 * 64 + 32 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64 == 3_321_600
@@ -171,7 +175,8 @@ def test_tokenizer_file_has_gpt2s_50257_tokens(converted):
 @needs_vocab
 def test_prefixed_names_tied_lm_head_and_heads_flag_give_the_same_file(tmp_path, hf, converted):
     path = save_prefixed(tmp_path, hf)                            # no config.json beside it: NH from --heads
-    proc = convert(["--input", str(path), "--heads", "4", "--vocab", VOCAB, "--out", str(tmp_path)], cwd=tmp_path)
+    proc = convert(["--input", str(path), "--heads", "4", "--vocab", VOCAB, "--out", str(tmp_path)],
+                   cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     out, _ = converted
     assert (tmp_path / "gpt2_d2c64h4.bin").read_bytes() == (out / "gpt2_d2c64h4.bin").read_bytes()
@@ -228,7 +233,8 @@ def test_config_json_that_disagrees_with_the_tensors_is_one_line(tmp_path, hf, m
 
 
 def test_missing_packages_say_pip_install_weights(tmp_path, model_folder):
-    proc = convert(["--input", str(model_folder), "--out", str(tmp_path)], cwd=tmp_path, block=["safetensors"])
+    proc = convert(["--input", str(model_folder), "--out", str(tmp_path)], cwd=tmp_path,
+                   block=["safetensors"])
     assert proc.stderr == "error: this needs the safetensors package: pip install .[weights]\n"
     assert proc.returncode == 1
     proc = convert(["--out", str(tmp_path)], cwd=tmp_path, block=["huggingface_hub"])
@@ -260,5 +266,6 @@ def test_offline_download_is_one_line_saying_pass_input(tmp_path):
     fake_hub(tmp_path, None)
     proc = convert(["--model", "gpt2-xl", "--out", tmp_path], cwd=tmp_path)
     assert "hf_hub_download(openai-community/gpt2-xl, model.safetensors)" in proc.stdout
-    assert_one_line_error(proc, "error: cannot download openai-community/gpt2-xl (Name or service not known): "
-                                "pass --input PATH to a local model.safetensors or a model folder holding one")
+    assert_one_line_error(proc, "error: cannot download openai-community/gpt2-xl (Name or service not "
+                                "known): pass --input PATH to a local model.safetensors or a model folder "
+                                "holding one")

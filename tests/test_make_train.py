@@ -33,8 +33,8 @@ def copy_sources(dest):
 def test_make_train_loss_falls_and_prints_a_decoded_sample(tmp_path):
     copy_sources(tmp_path)
     # this interpreter instead of .venv's, and the venv taken as installed: the copy has none of its own
-    make = ["make", "-s", "-o", ".venv/.installed", f"PY={sys.executable}", f"SHARED={os.path.abspath(SHARED)}",
-            f"TRAIN_STEPS={STEPS}", "train"]
+    make = ["make", "-s", "-o", ".venv/.installed", f"PY={sys.executable}",
+            f"SHARED={os.path.abspath(SHARED)}", f"TRAIN_STEPS={STEPS}", "train"]
     proc = subprocess.run(make, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     losses = [float(m.group(3)) for line in proc.stdout.splitlines() if (m := STEP_LINE.match(line))]

@@ -22,10 +22,8 @@ from llm.sample import ADVICE as SAMPLE_ADVICE
 from llm.step import train_step
 from llm.weight_init import init_params
 from llm.zero import ZeroOptimizer, padded_size
-from conftest import REPO, TRAIN, data_args, env
-
-sys.path.insert(0, REPO)
-import train_gpt2  # noqa: E402   (importing it installs nothing: that happens under __main__ only)
+import train_gpt2   # (importing it installs nothing: that happens under __main__ only)
+from conftest import TRAIN, data_args, env
 
 SMALL_VOCAB = dict(vocab_size=512, padded_vocab_size=512)
 

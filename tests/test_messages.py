@@ -14,7 +14,8 @@ from conftest import REPO, TINY, data_args, env, run_train
 
 
 def one_line_error(proc):
-    """The process failed with exit status 1 and printed one line, "error: ...", and no traceback: that line."""
+    """The process failed with exit status 1 and printed one line, "error: ...", and no traceback: that
+    line."""
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     return proc.stderr
@@ -23,12 +24,12 @@ def one_line_error(proc):
 def test_missing_default_data_says_run_make_data(tmp_path):
     line = one_line_error(run_train(TINY + ["-x", "1"], cwd=tmp_path, check=False))
     assert ("no files match -i/-j pattern 'data/tinyshakespeare/tiny_shakespeare_train.bin': "
-            "run `make data` (or python data/tinyshakespeare.py) to write them") in line
+            "run `make data` (or python -m data.tinyshakespeare) to write them") in line
 
 
 @pytest.mark.parametrize("pattern, command", [
-    ("data/fineweb10B/fineweb_train_*.bin", "run python data/fineweb.py to write them"),
-    ("data/edu_fineweb100B/edu_fineweb_val_*.bin", "run python data/fineweb.py --type edu --version 100B"),
+    ("data/fineweb10B/fineweb_train_*.bin", "run python -m data.fineweb to write them"),
+    ("data/edu_fineweb100B/edu_fineweb_val_*.bin", "run python -m data.fineweb --type edu --version 100B"),
     ("mine/*.bin", "the scripts in data/ write shards"),
 ])
 def test_missing_shards_name_the_script_that_writes_them(tmp_path, pattern, command):
@@ -39,7 +40,7 @@ def test_missing_shards_name_the_script_that_writes_them(tmp_path, pattern, comm
 
 def test_missing_default_model_says_data_gpt2_py(shards):
     line = one_line_error(run_train(TINY[2:] + data_args() + ["-x", "1"], cwd=shards, check=False))
-    assert line == ("error: gpt2_124M_bf16.bin: no such file: python data/gpt2.py writes GPT-2's weights "
+    assert line == ("error: gpt2_124M_bf16.bin: no such file: python -m data.gpt2 writes GPT-2's weights "
                     "(gpt2_124M.bin, gpt2_124M_bf16.bin); or train from scratch with -e d12\n")
 
 
@@ -47,14 +48,14 @@ def test_test_gpt2_without_gpt2s_weights_says_data_gpt2_py(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "test_gpt2.py"), "-e", "gpt2_124M.bin", "-ds",
                            "gpt2_124M_debug_state.bin", "--backend", "numpy"], cwd=tmp_path, env=env(),
                           capture_output=True, text=True, timeout=120)
-    assert "gpt2_124M.bin: no such file: python data/gpt2.py writes GPT-2's weights" in one_line_error(proc)
+    assert "gpt2_124M.bin: no such file: python -m data.gpt2 writes GPT-2's weights" in one_line_error(proc)
 
 
 def test_offline_tinyshakespeare_names_both_local_files(tmp_path):
     """No network (a proxy that refuses every connection) and neither local file: one message for both."""
     e = {k: v for k, v in env().items() if k not in ("TINYSHAKESPEARE", "GPT2_VOCAB")}
     e.update(http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9", no_proxy="")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "data", "tinyshakespeare.py"), "--out", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "data.tinyshakespeare", "--out", str(tmp_path),
                            "--tokenizer", str(tmp_path / "t.bin")], cwd=tmp_path, env=e, capture_output=True,
                           text=True, timeout=120)
     line = one_line_error(proc)

@@ -29,8 +29,8 @@ def run_dir(tmp_path, log=MAIN_LOG):
 
 
 def run_plot(args, cwd, python_args=("-m", "llm.plot")):
-    return subprocess.run([sys.executable, *python_args, *args], cwd=cwd, env=env(), capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, *python_args, *args], cwd=cwd, env=env(), capture_output=True,
+                          text=True, timeout=60)
 
 
 def png_size(path):
@@ -50,7 +50,8 @@ def test_read_log_takes_train_val_and_hellaswag_lines(tmp_path):
 def test_lines_that_are_not_log_lines_are_passed_over(tmp_path):
     """A value that is no number, or bytes that are no UTF-8, were a traceback once."""
     log = run_dir(tmp_path, log=None) / "main.log"
-    log.write_bytes(b"s:0 trl:abc\n\xb6\xff\x00 garbage\ns:x tel:1\n" + MAIN_LOG.encode() + b"s:5 tel:1.2.3\n")
+    log.write_bytes(b"s:0 trl:abc\n\xb6\xff\x00 garbage\ns:x tel:1\n" + MAIN_LOG.encode()
+                    + b"s:5 tel:1.2.3\n")
     train, val, evals = plot.read_log(log)
     assert (len(train), len(val), len(evals)) == (4, 3, 2) and train[0] == (0, 10.987654)
 
@@ -65,7 +66,8 @@ def test_plot_writes_an_800_by_500_png(tmp_path, capsys):
     run = run_dir(tmp_path)
     assert plot.main([str(run)]) == 0
     assert png_size(run / "loss.png") == (800, 500)
-    assert capsys.readouterr().out == f"wrote {run / 'loss.png'}: 4 train and 3 val points, 2 HellaSwag points\n"
+    assert capsys.readouterr().out == (f"wrote {run / 'loss.png'}: 4 train and 3 val points, 2 HellaSwag "
+                                       f"points\n")
     assert plot.main([str(run), "-o", str(tmp_path / "other.png")]) == 0
     assert png_size(tmp_path / "other.png") == (800, 500)
 
@@ -74,7 +76,8 @@ def test_figure_has_labelled_axes_a_legend_and_a_title():
     fig = plot.figure([(0, 4.0), (1, 3.5)], [(1, 3.6)], [(1, 0.26)], "run: loss against step")
     loss, acc = fig.axes
     assert (loss.get_xlabel(), loss.get_ylabel(), acc.get_ylabel()) == ("step", "loss", "HellaSwag accuracy")
-    assert [t.get_text() for t in loss.get_legend().get_texts()] == ["train loss", "val loss", "HellaSwag accuracy"]
+    assert [t.get_text() for t in loss.get_legend().get_texts()] == ["train loss", "val loss",
+                                                                     "HellaSwag accuracy"]
     assert [t.get_text() for t in fig.texts] == ["run: loss against step"]     # the figure's title
     assert loss.get_yscale() == "linear"
     assert len(plot.figure([(0, 4.0)], [], [], "t").axes) == 1     # no HellaSwag lines: no second axis
@@ -108,7 +111,8 @@ def test_missing_matplotlib_is_one_line_and_exit_1(tmp_path):
     run_dir(tmp_path)
     proc = run_plot(["run"], cwd=tmp_path, python_args=("-c", WITHOUT_MATPLOTLIB))
     assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr == "error: plotting needs matplotlib: pip install '.[plot]' (or pip install matplotlib)\n"
+    assert proc.stderr == ("error: plotting needs matplotlib: pip install '.[plot]' (or pip install "
+                           "matplotlib)\n")
     assert not (tmp_path / "run" / "loss.png").exists()
 
 

@@ -37,9 +37,9 @@ def files(tmp_path_factory):
 
 def run_sample(folder, *args):
     """python -m llm.sample on the tiny model, on the CPU; the CompletedProcess (text output)."""
-    return subprocess.run([sys.executable, "-m", "llm.sample", "-e", "model.bin", "--tokenizer", "tokenizer.bin",
-                           "--backend", "numpy", *map(str, args)], cwd=folder, env=env(), capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "llm.sample", "-e", "model.bin", "--tokenizer",
+                           "tokenizer.bin", "--backend", "numpy", *map(str, args)], cwd=folder, env=env(),
+                          capture_output=True, text=True, timeout=120)
 
 
 def text_of(proc):
@@ -72,7 +72,8 @@ def test_top_k_1_is_greedy_decoding_by_the_reference_forward(files):
 
 
 def test_defaults_print_what_training_prints(files):
-    """No prompt, temperature 1, no top-k, seed 1337: llm.c's sample of -g N tokens is N-1 tokens after EOT."""
+    """No prompt, temperature 1, no top-k, seed 1337: llm.c's sample of -g N tokens is N-1 tokens after
+    EOT."""
     printed = text_of(run_sample(files, "-g", 15))
     tokens = generate(tiny_model(), EOT, 16, CONFIG.max_seq_len)
     assert len(tokens) == 15
@@ -118,8 +119,9 @@ def test_a_huge_token_count_is_cut_to_the_window():
     (["--seed", 0], "--seed 0: xorshift needs a seed that is not 0"),
     (["--backend", "tpu"], "unknown backend 'tpu'"),
     (["--bogus", 1], "unrecognized arguments: --bogus 1"),
-    (["-e", "gpt2_124M.bin"], "gpt2_124M.bin: no such file: python data/gpt2.py writes GPT-2's weights"),
-    (["--tokenizer", "gpt2_tokenizer.bin"], "gpt2_tokenizer.bin: no such file: `make data` or python data/gpt2.py"),
+    (["-e", "gpt2_124M.bin"], "gpt2_124M.bin: no such file: python -m data.gpt2 writes GPT-2's weights"),
+    (["--tokenizer", "gpt2_tokenizer.bin"],
+     "gpt2_tokenizer.bin: no such file: `make data` or python -m data.gpt2"),
     (["--tokenizer", "model.bin"], "model.bin: bad magic 20240326"),
     (["-e", "."], ".: a directory without a complete checkpoint (no DONE_%08d file)"),
 ])

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from llm import formats
 from llm.config import GPT2Config
@@ -38,8 +39,8 @@ def write_debug_state(tmp_path, config, params, corrupt=None):
     if corrupt:
         getattr(ParamViews(flat, config), corrupt)[...] += 1.0
     formats.write_model(tmp_path / "model.bin", config, params)
-    formats.write_debug_state(tmp_path / "debug.bin", x, y, logits[..., :config.vocab_size].astype(np.float32),
-                              np.float32(loss), flat)
+    formats.write_debug_state(tmp_path / "debug.bin", x, y,
+                              logits[..., :config.vocab_size].astype(np.float32), np.float32(loss), flat)
 
 
 def test_test_gpt2_checks_a_model_against_a_debug_state_file(tmp_path):
@@ -65,6 +66,24 @@ def test_test_gpt2_names_a_bad_debug_state_file(tmp_path):
     proc = run("-e", str(tmp_path / "model.bin"), "-ds", str(tmp_path / "debug.bin"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "debug.bin: bad magic 0" in proc.stderr
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda x: x.__setitem__((1, 3), 60000), " to 60000, outside "),
+    (lambda x: x.__setitem__((0, 0), -5), "debug.bin: token ids -5 to "),
+])
+def test_test_gpt2_names_a_debug_state_of_another_model(tmp_path, damage, message):
+    """Token ids beyond the model's vocab were an IndexError traceback; negative ones, a silent NOT OK."""
+    config = GPT2Config.from_descriptor("d2c64h4")
+    write_debug_state(tmp_path, config, init_params(config))
+    state = formats.read_debug_state(tmp_path / "debug.bin", config)
+    damage(state["x"])
+    formats.write_debug_state(tmp_path / "debug.bin", state["x"], state["y"], state["logits"], state["loss"],
+                              state["grads"])
+    proc = run("-e", str(tmp_path / "model.bin"), "-ds", str(tmp_path / "debug.bin"))
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert "outside" in proc.stderr and "'s vocab 0..50256: the debug state of another model?" in proc.stderr
 
 
 def test_test_gpt2_with_a_model_but_no_debug_state_is_one_line():

@@ -27,7 +27,8 @@ def test_step_lines_and_log_follow_llmc_formats(shards):
     assert log[0] == f"s:0 tel:{val_loss:.4f}"
     train_lines = [line for line in log if "trl" in line]
     assert [line.split()[0] for line in train_lines] == ["s:0", "s:1", "s:2", "s:3"]
-    assert all(re.fullmatch(r"s:\d+ trl:\d+\.\d{4} lr:\d+\.\d{6} norm:\d+\.\d\d", line) for line in train_lines)
+    assert all(re.fullmatch(r"s:\d+ trl:\d+\.\d{4} lr:\d+\.\d{6} norm:\d+\.\d\d", line)
+               for line in train_lines)
     assert [line for line in log if "tel" in line][-1].startswith("s:4 tel:")   # val at the last step too
 
 
@@ -50,7 +51,8 @@ def test_killed_run_never_leaves_a_checkpoint_that_fails_to_load(shards):
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:   # kill while a later checkpoint is written
             names = os.listdir(shards / "ck") if os.path.isdir(shards / "ck") else []
-            if (checkpoint.latest_step(shards / "ck") or 0) >= 3 * round_ and any(n.endswith(".tmp") for n in names):
+            writing = any(n.endswith(".tmp") for n in names)
+            if (checkpoint.latest_step(shards / "ck") or 0) >= 3 * round_ and writing:
                 time.sleep(delay)
                 break
             time.sleep(0.0005)
@@ -86,12 +88,14 @@ def test_resume_with_a_different_model_is_refused(shards):
     proc = run_train(["-e", "d2c32h4"] + TINY[2:] + data_args() + ["-x", "4", "-o", "ck", "-y", "1"],
                      cwd=shards, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "model_00000002.bin: checkpoint model" in proc.stderr and "differs from the model given by -e" in proc.stderr
+    assert "model_00000002.bin: checkpoint model" in proc.stderr
+    assert "differs from the model given by -e" in proc.stderr
 
 
 def test_keep_only_the_newest_checkpoints(shards):
     run_train(TINY + data_args() + ["-x", "5", "-n", "1", "-nk", "2", "-o", "ck"], cwd=shards)
-    assert sorted(f for f in os.listdir(shards / "ck") if f.startswith("DONE")) == ["DONE_00000004", "DONE_00000005"]
+    assert sorted(f for f in os.listdir(shards / "ck") if f.startswith("DONE")) == ["DONE_00000004",
+                                                                                    "DONE_00000005"]
     assert sorted(f for f in os.listdir(shards / "ck") if f.startswith("model")) == \
         ["model_00000004.bin", "model_00000005.bin"]
 
@@ -117,8 +121,8 @@ def test_keep_exactly_k_checkpoints_off_the_n_grid_and_across_a_resume(shards):
 
 def test_plot_renders_main_log_to_a_png(shards):
     run_train(TINY + data_args() + ["-x", "3", "-v", "1", "-o", "out"], cwd=shards)
-    proc = subprocess.run([sys.executable, "-m", "llm.plot", "out"], cwd=shards, env=env(), capture_output=True,
-                          text=True, check=True)
+    proc = subprocess.run([sys.executable, "-m", "llm.plot", "out"], cwd=shards, env=env(),
+                          capture_output=True, text=True, check=True)
     assert "3 train and 4 val points" in proc.stdout
     png = open(shards / "out" / "loss.png", "rb").read()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
@@ -138,7 +142,7 @@ def test_hellaswag_eval_runs_when_its_file_exists(shards):
 
 def test_hellaswag_flag_without_its_file_says_so(shards):
     out = run_train(TINY + data_args() + ["-x", "1", "-h", "1"], cwd=shards).stdout
-    assert "| run hellaswag         | no" in out and "python data/hellaswag.py" in out
+    assert "| run hellaswag         | no" in out and "python -m data.hellaswag" in out
 
 
 def test_grad_norm_outliers_are_skipped_once_the_window_fills(shards):
@@ -152,8 +156,10 @@ def test_grad_norm_outliers_are_skipped_once_the_window_fills(shards):
 
 
 def test_gradient_accumulation_equals_one_big_batch(shards):
-    big = step_losses(run_train(TINY[:2] + ["-b", "6"] + TINY[4:] + data_args() + ["-x", "4"], cwd=shards).stdout)
+    big = step_losses(run_train(TINY[:2] + ["-b", "6"] + TINY[4:] + data_args() + ["-x", "4"],
+                                cwd=shards).stdout)
     accumulated = run_train(TINY[:2] + ["-b", "2"] + TINY[4:] + data_args() + ["-x", "4", "-d", str(6 * 32)],
                             cwd=shards).stdout
     assert "=> setting grad_accum_steps=3" in accumulated
-    np.testing.assert_allclose([float(x) for x in step_losses(accumulated)], [float(x) for x in big], rtol=1e-5)
+    np.testing.assert_allclose([float(x) for x in step_losses(accumulated)], [float(x) for x in big],
+                               rtol=1e-5)

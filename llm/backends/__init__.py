@@ -53,12 +53,12 @@ its dinp is the residual stream's gradient, which already holds the skip connect
                     one contiguous 1-D segment, updated in place; master is None or float32
   sumsq(x)          sum of squares of a 1-D array in float32, as a 0-d backend array (no host sync)
 """
-
+from llm.launch import UserError
 
 PRECISIONS = {"numpy": ("fp32",), "cupy": ("bf16", "fp32")}   # the first is each backend's default
 
 
-class BackendError(ValueError):
+class BackendError(UserError):
     """A backend that cannot be built here (unknown name, missing package, no GPU): one line saying why."""
 
 

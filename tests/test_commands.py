@@ -1,0 +1,166 @@
+"""Every command ends the same way (llm/launch.py's run): a user's mistake is one line and exit status 1, a
+signal or a stdout that cannot be written is one line and a non-zero exit, and a bug shows its traceback."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from llm import formats
+from llm.config import GPT2Config
+from llm.weight_init import init_params
+from conftest import REPO, TINY, TRAIN, data_args, env
+
+# each command as a user types it, from the repository's root, with a mistake in what it is given
+BAD_INPUT = {
+    "train_gpt2.py": (["train_gpt2.py", "-zz", "1"], "unknown flag -zz"),
+    "test_gpt2.py": (["test_gpt2.py", "--bogus"], "unrecognized arguments: --bogus"),
+    "llm.sample": (["-m", "llm.sample", "-e", "missing.bin"], "missing.bin: no such file"),
+    "llm.plot": (["-m", "llm.plot", "missing"], "missing/main.log: no such file"),
+    "data.tinyshakespeare": (["-m", "data.tinyshakespeare", "--input", "missing.txt"],
+                             "missing.txt: no such file"),
+    "data.hellaswag": (["-m", "data.hellaswag", "--input", "missing.jsonl"], "missing.jsonl: no such file"),
+    "data.fineweb": (["-m", "data.fineweb", "--input", "missing.txt"], "missing.txt: no such file"),
+    "data.gpt2": (["-m", "data.gpt2", "--input", "missing"], "missing: no such file"),
+    "bench.step": (["-m", "bench.step", "--model", "d7"], "unsupported GPT-2 depth 7"),
+    "bench.gpu_ops": (["-m", "bench.gpu_ops", "--reps", "many"], "--reps: invalid int value: 'many'"),
+    "bench.torch_gpt2": (["-m", "bench.torch_gpt2", "--steps", "many"], ""),   # without torch: one line too
+}
+
+
+def python(args, cwd, **kwargs):
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env(), capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+def assert_one_line(stderr, start):
+    assert "Traceback" not in stderr and stderr.count("\n") == 1 and stderr.startswith(start), stderr
+
+
+@pytest.mark.parametrize("command", BAD_INPUT)
+def test_every_command_given_a_bad_option_or_file_says_one_line_and_exits_1(command, tmp_path):
+    args, message = BAD_INPUT[command]
+    args = [os.path.join(REPO, args[0]), *args[1:]] if args[0].endswith(".py") else args
+    proc = python(args, cwd=REPO if args[0] == "-m" else tmp_path)   # python -m finds data/ and bench/ here
+    assert proc.returncode == 1, proc.stderr
+    assert_one_line(proc.stderr, "error: ")
+    assert message in proc.stderr
+
+
+def test_a_plot_format_matplotlib_cannot_write_is_one_line(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "main.log").write_text("s:0 trl:10.9 lr:0.0001 norm:1.0\n")
+    proc = python(["-m", "llm.plot", "run", "-o", "loss.xyz"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert_one_line(proc.stderr, "error: -o loss.xyz: Format 'xyz' is not supported (supported formats: ")
+
+
+def handlers_installed(proc, timeout=60):
+    """Wait until `proc` has installed launch.run's signal handlers (SIGHUP is caught only once it has)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        with open(f"/proc/{proc.pid}/status") as f:
+            caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+        if caught >> (signal.SIGHUP - 1) & 1:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture(scope="module")
+def long_sample(tmp_path_factory):
+    """python -m llm.sample that runs for a while: 1,000 tokens from a small model with a window of 1,024."""
+    folder = tmp_path_factory.mktemp("sample")
+    config = GPT2Config(vocab_size=96, padded_vocab_size=128, num_layers=2, num_heads=2, channels=32)
+    formats.write_model(folder / "model.bin", config, init_params(config))
+    formats.write_tokenizer(folder / "tokenizer.bin", [bytes([c]) for c in range(32, 127)] + [b"<eot>"], 95)
+    return folder, ["-m", "llm.sample", "-e", "model.bin", "--tokenizer", "tokenizer.bin",
+                    "--backend", "numpy", "-n", "1000"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("command", ["llm.sample", "data.tinyshakespeare"])
+def test_a_signal_stops_every_long_running_command_with_one_line(command, sig, tmp_path, long_sample):
+    if command == "llm.sample":
+        cwd, args = long_sample
+    else:   # waits at its input, a named pipe that nothing writes
+        os.mkfifo(tmp_path / "input.txt")
+        cwd, args = tmp_path, ["-m", command, "--input", "input.txt", "--out", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert handlers_installed(proc), proc.communicate()
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig and stdout == "", (proc.returncode, stdout)
+    assert stderr == f"stopped by {sig.name}\n"
+
+
+def train_args(steps):
+    return [sys.executable, TRAIN, *TINY, *data_args(), "-x", str(steps)]
+
+
+def test_training_into_head_stops_with_one_line(shards):
+    """`| head -1` closes the pipe after the first line: once a BrokenPipeError traceback, at the next
+    print."""
+    command = " ".join(train_args(200)) + " | head -1; exit ${PIPESTATUS[0]}"
+    proc = subprocess.run(["bash", "-c", command], cwd=shards, env=env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.stdout.count("\n") == 1 and proc.stdout.startswith("+---")
+    assert proc.returncode == 128 + signal.SIGPIPE
+    assert proc.stderr == "stopped: the reader of stdout has gone (broken pipe)\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("command", ["train", "sample"])
+def test_stdout_on_a_full_disk_is_one_line(command, shards, long_sample):
+    with open("/dev/full", "w") as full:
+        if command == "train":
+            proc = subprocess.run(train_args(2), cwd=shards, env=env(), stdout=full, stderr=subprocess.PIPE,
+                                  text=True, timeout=300)
+        else:
+            cwd, args = long_sample
+            proc = subprocess.run([sys.executable, *args[:-1], "20"], cwd=cwd, env=env(), stdout=full,
+                                  stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr == "error: cannot write stdout (No space left on device)\n"
+
+
+CRASH = """
+import runpy, sys
+import llm.step
+
+def crash(*args, **kwargs):
+    raise RuntimeError("an unexpected bug")
+
+llm.step.train_step = crash   # train_gpt2.py imports it from llm.step, and gets this one
+sys.argv[0] = {train!r}
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+def test_a_bug_in_main_still_shows_its_traceback(shards):
+    proc = subprocess.run([sys.executable, "-c", CRASH.format(train=TRAIN), *TINY, *data_args(), "-x", "2"],
+                          cwd=shards, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("Traceback (most recent call last):")
+    assert proc.stderr.rstrip().endswith("RuntimeError: an unexpected bug")
+
+
+def test_help_is_shown_for_h_alone_help_and_dash_help(tmp_path):
+    for flag in ("-h", "--help", "-help"):
+        proc = python([TRAIN, flag], cwd=tmp_path)
+        assert proc.returncode == 0 and proc.stderr == ""
+        assert proc.stdout.startswith("Usage: python train_gpt2.py")
+        assert "  -h              HellaSwag" in proc.stdout
+
+
+def test_a_repeated_flag_and_a_warmup_longer_than_the_run_get_a_warning_line(shards):
+    proc = python([TRAIN, *TINY, *data_args(), "-x", "2", "-u", "5", "-b", "2"], cwd=shards)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("warning: ")]
+    assert lines == ["warning: -b is given 2 times: the last, -b 2, counts",
+                     "warning: -u 5: the warmup is longer than the run's 2 steps, so the learning rate never "
+                     "reaches -l 0.001"]
