@@ -1,0 +1,53 @@
+"""The side-by-side table of bench/gpu_check.sh: bench/step.py's and bench/torch_gpt2.py's last lines, read
+from their logs, as ms/step, tok/s, the ratio to torch.compile's tok/s and nvidia-smi's peak memory.
+
+    python -m bench.table LABEL=LOG ... --yardstick LABEL [--limit TOK_S]
+
+--limit is what the GPU could do at most (its practical FLOP/s over the model's FLOPs per token); each row
+then also says what fraction of it the step reaches.
+"""
+import re
+
+from llm.launch import Parser, UserError, run
+
+MEDIAN = re.compile(r"median ([\d.]+) ms/step \| (\d+) tok/s")
+PEAK = re.compile(r"nvidia-smi (\d+) MiB")
+
+
+def read(path):
+    """(ms, tok/s, peak MiB or None) from a benchmark's log."""
+    try:
+        text = open(path).read()
+    except OSError as e:
+        raise UserError(f"{path}: {e.strerror}") from None
+    medians, peaks = MEDIAN.findall(text), PEAK.findall(text)
+    if not medians:
+        raise UserError(f"{path}: no 'median ... ms/step | ... tok/s' line: did the run finish?")
+    ms, tok_s = medians[-1]
+    return float(ms), int(tok_s), int(peaks[-1]) if peaks else None
+
+
+def main(argv):
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="LABEL=LOG")
+    parser.add_argument("--yardstick", required=True, help="the label the ratios are taken against")
+    parser.add_argument("--limit", type=float, help="tok/s at the GPU's practical limit")
+    args = parser.parse_args(argv)
+    rows = {}
+    for item in args.runs:
+        label, _, path = item.rpartition("=")
+        rows[label] = read(path)
+    if args.yardstick not in rows:
+        raise UserError(f"--yardstick {args.yardstick}: not one of the labels ({', '.join(rows)})")
+    base = rows[args.yardstick][1]
+    print("| system | ms/step | tok/s | vs torch.compile | peak MiB (nvidia-smi) |"
+          + (" of the GPU's limit |" if args.limit else ""))
+    print("|---|---|---|---|---|" + ("---|" if args.limit else ""))
+    for label, (ms, tok_s, peak) in rows.items():
+        limit = f" {tok_s / args.limit:.0%} |" if args.limit else ""
+        peak = f"{peak:,}" if peak is not None else "n/a"
+        print(f"| {label} | {ms:.1f} | {tok_s / 1000:.0f}K | {tok_s / base:.2f}x | {peak} |{limit}")
+
+
+if __name__ == "__main__":
+    run(main)
