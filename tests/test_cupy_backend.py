@@ -225,6 +225,8 @@ def test_fused_attention_matches_the_naive_attention_at_odd_sizes(attention, T, 
     of the tiles, T = 1, head sizes 16, 32 and 64. It also runs twice to the same bits (no atomics), and
     flash attention's saved lse is the log-sum-exp of each row's causal scores."""
     import reference as ref_math
+    if attention == "cudnn" and T == 1:
+        pytest.skip("cuDNN's attention does not take T = 1 (the next test: one line)")
     gpu = attention_backend(attention)
     rng = np.random.default_rng(T)
     B, C = 2, NH * hs
@@ -250,6 +252,17 @@ def test_fused_attention_matches_the_naive_attention_at_odd_sizes(attention, T, 
     print(f"{attention} attention      bf16 B={B} T={T} NH={NH} hs={hs}: "
           + ", ".join(f"{k} {e:.2e}" for k, e in errors.items()))
     assert errors["out"] < 1e-2 and errors["dqkv"] < 2e-2 and errors["lse"] < 1e-3
+
+
+@pytest.mark.skipif(not cudnn_usable(), reason="needs cuDNN's frontend (pip install .[cudnn])")
+def test_a_shape_cudnn_does_not_take_is_one_line():
+    from llm.backends import BackendError
+    gpu = attention_backend("cudnn")
+    qkv, out = gpu.xp.zeros((2, 1, 3 * 64), gpu.dtype), gpu.xp.zeros((2, 1, 64), gpu.dtype)
+    lse = gpu.xp.zeros(gpu.attention_saved_shape(2, 1, 1)[0], np.float32)
+    with pytest.raises(BackendError, match="cuDNN cannot run attention at B=2 T=1") as error:
+        gpu.attention_forward(out, lse, qkv, 1)
+    assert "\n" not in str(error.value)
 
 
 def test_gelu_and_residual(gpu, shape):

@@ -11,6 +11,8 @@ Needs the nvidia-cudnn-frontend package (pip install .[cudnn]) and cuDNN itself.
 """
 import cupy
 
+from . import BackendError
+
 try:
     import cudnn
 except (ImportError, OSError) as e:   # OSError: the package is there but libcudnn is not
@@ -39,8 +41,12 @@ class CudnnAttention:
         key = (B, T, NH, hs)
         if key not in self.graphs:
             C = NH * hs
-            self.graphs[key] = (self._build(B, T, NH, hs, C, backward=False),
-                                self._build(B, T, NH, hs, C, backward=True))
+            try:
+                self.graphs[key] = (self._build(B, T, NH, hs, C, backward=False),
+                                    self._build(B, T, NH, hs, C, backward=True))
+            except cudnn.cudnnGraphNotSupportedError as e:   # T = 1, for one: a shape cuDNN does not take
+                raise BackendError(f"--attention cudnn: cuDNN cannot run attention at B={B} T={T} NH={NH} "
+                                   f"hs={hs} ({str(e).splitlines()[0]}): use the default attention") from None
             size = max(g.get_workspace_size() for g in self.graphs[key])
             if size > self.workspace.size:
                 self.workspace = cupy.empty(size, cupy.uint8)
