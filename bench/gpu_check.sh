@@ -25,9 +25,9 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
   opsbench)   # each op alone at d12, B=64: ms, GB/s, TFLOP/s, and the sum over one step
     timeout 200 python3 -m bench.gpu_ops --B 64 2>&1 | tee "$OUT/opsbench.log" | tail -40 ;;
   test)
-    timeout 150 python3 test_gpt2.py --backend cupy --precision fp32 2>&1 | tee "$OUT/test_fp32.log" | grep -E "logits|overall"
-    timeout 150 python3 test_gpt2.py --backend cupy --precision bf16 2>&1 | tee "$OUT/test_bf16.log" | grep -E "logits|overall"
-    timeout 150 python3 test_gpt2.py --backend cupy --attention cudnn 2>&1 | tee "$OUT/test_cudnn.log" | grep -E "logits|overall" ;;
+    timeout 150 python3 test_gpt2.py --backend cupy --precision fp32 2>&1 | tee "$OUT/test_fp32.log" | grep -iE "logits|overall"
+    timeout 150 python3 test_gpt2.py --backend cupy --precision bf16 2>&1 | tee "$OUT/test_bf16.log" | grep -iE "logits|overall"
+    timeout 150 python3 test_gpt2.py --backend cupy --attention cudnn 2>&1 | tee "$OUT/test_cudnn.log" | grep -iE "logits|overall" ;;
   bench)   # flash attention (the default), without CUDA graphs, cuDNN's, and cuDNN's with -r 2
     for opts in "" "--cuda-graph 0" "--attention cudnn" "--attention cudnn -r 2"; do
       timeout 200 python3 -m bench.step --backend cupy --model d12 -b 64 -t 1024 --steps 8 $opts 2>&1 |
