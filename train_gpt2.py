@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from llm import formats, launch, memory, report
+from llm import agreement, formats, launch, memory, report
 from llm.backends import get_backend, resolve
 from llm.checkpoint import OutputDir
 from llm.comm import make_comm
@@ -291,6 +291,7 @@ def main(argv):
     eot = tokenizer.eot if tokenizer else config.eot
     eval_loader = EvalLoader(HELLASWAG_PATH, B, T, comm.rank, world_size, config.vocab_size, eot) \
         if settings.run_hellaswag else None
+    agreement.check(comm, FLAGS, settings, model, [train_loader, val_loader, eval_loader])   # ranks alike
     optimizer = ZeroOptimizer(model, comm, settings.zero_stage, settings.weight_decay,
                               master_weights=bool(settings.use_master_weights))
     log0(report.config_tables(settings, model, optimizer, comm))

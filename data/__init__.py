@@ -53,7 +53,8 @@ def reading(path, url=None, offline_hint=INPUT_HINT):
 
 
 def read_text(path, url, offline_hint=INPUT_HINT):
-    """The UTF-8 text of `path`, or of `url` when path is None (`offline_hint` as reading())."""
+    """The UTF-8 text of `path`, or of `url` when path is None (`offline_hint` as reading()); PrepError for
+    one that holds no text, which no script can prepare anything from."""
     with reading(path, url, offline_hint):
         if path:
             raw = open(path, "rb")
@@ -61,7 +62,10 @@ def read_text(path, url, offline_hint=INPUT_HINT):
             print(f"downloading {url}")
             raw = urllib.request.urlopen(url, timeout=60)
         with io.TextIOWrapper(raw, encoding="utf-8") as f:   # text mode, as llm.c reads: "\r\n" is "\n"
-            return f.read()
+            text = f.read()
+    if not text.strip():
+        raise PrepError(f"{path or url}: empty (no text in it): nothing to prepare")
+    return text
 
 
 def first_line(e):

@@ -8,6 +8,9 @@ Every document becomes EOT (50256) followed by its tokens, and the documents go 
 into shards of --shard_size tokens (10^8 by default, as llm.c); a document can straddle two shards.
 Shard 0 is the val split, the rest the train split, as llm.c's dev/data/fineweb.py writes them, so
 train_gpt2.py reads them with -i "data/fineweb10B/fineweb_train_*.bin" -j "data/fineweb10B/fineweb_val_*.bin".
+What cannot train is refused in one line, before a shard is written: a corpus too small for one train
+shard, an --out that already holds shards of the prefix, an input without documents or with a "text"
+that is not a string.
 
 Tokenizing runs on --workers processes; the documents come back in their order, so the shards are
 the same whatever the number of workers. Local files: .txt is one document, .jsonl one document per
@@ -19,6 +22,7 @@ from itertools import chain
 import json
 from multiprocessing import Pool
 import os
+import re
 
 import numpy as np
 
@@ -37,6 +41,7 @@ except ImportError:
 TYPES = {"classic": ("HuggingFaceFW/fineweb", "fineweb"), "edu": ("HuggingFaceFW/fineweb-edu", "edu_fineweb")}
 VERSIONS = ("10B", "100B")       # --version -> the dataset's subset, sample-10BT or sample-100BT
 SHARD_SIZE = 10**8
+STRING_TYPES = ("string", "large_string", "string_view")   # pyarrow's names for a column of str
 CHUNKSIZE = 16                   # documents handed to a worker at a time
 
 
@@ -65,21 +70,36 @@ def read_jsonl(path):
 
 
 def read_parquet(path):
-    """One document per row: the row's "text" column."""
-    pq = optional("pyarrow.parquet", "data")
+    """One document per row: the row's "text" column, which must hold strings."""
+    pa, pq = optional("pyarrow", "data"), optional("pyarrow.parquet", "data")
     with reading(path):
         try:
             table = pq.ParquetFile(path)
             columns = table.schema_arrow.names
             if "text" not in columns:
                 raise PrepError(f'{path}: no "text" column (its columns: {", ".join(columns)})')
-            for batch in table.iter_batches(columns=["text"]):
-                yield from batch.column("text").to_pylist()
-        except ValueError as e:   # pyarrow's ArrowInvalid, e.g. "Parquet magic bytes not found"
+            kind = str(table.schema_arrow.field("text").type)
+            if kind not in STRING_TYPES:
+                raise PrepError(f'{path}: its "text" column holds {kind}, not strings')
+            batches = table.iter_batches(columns=["text"])
+            for row, text in enumerate(chain.from_iterable(b.column("text").to_pylist() for b in batches)):
+                if text is None:
+                    raise PrepError(f'{path}: row {row} has no "text" (null)')
+                yield text
+        except pa.ArrowException as e:   # e.g. ArrowInvalid: "Parquet magic bytes not found"
             raise PrepError(f"{path}: not a parquet file ({e})") from None
 
 
 READERS = {".txt": read_txt, ".jsonl": read_jsonl, ".parquet": read_parquet}
+
+
+def documents_of(path):
+    """The documents of one local file; a file that holds none (an empty .jsonl or .parquet) is refused."""
+    count = 0
+    for count, text in enumerate(READERS[os.path.splitext(path)[1].lower()](path), 1):
+        yield text
+    if count == 0:
+        raise PrepError(f"{path}: no documents in it: nothing to tokenize")
 
 
 def local_documents(paths):
@@ -92,7 +112,7 @@ def local_documents(paths):
             raise PrepError(f"{path}: no such file")
         if kind == ".parquet":
             optional("pyarrow.parquet", "data")
-    return chain.from_iterable(READERS[os.path.splitext(path)[1].lower()](path) for path in paths)
+    return chain.from_iterable(documents_of(path) for path in paths)
 
 
 def fineweb_documents(dataset, version):
@@ -143,12 +163,21 @@ def tokenize(text):
 # Shards: fixed-size runs of the token stream
 
 class Shards:
-    """Fills shards of `size` tokens from the token stream, in order, and writes each one when it is full.
+    """Fills shards of `size` tokens from the token stream, in order, and writes each one once it is full
+    and the stream goes on (the last one may be short), so that a stream too short for a train shard
+    writes nothing.
 
     Shard 0 is the val split and the rest the train split: <prefix>_val_000000.bin,
-    <prefix>_train_000001.bin, ..."""
+    <prefix>_train_000001.bin, ... An `out` that already holds shards of the prefix is refused: the new
+    shards would replace some of an earlier run's and leave the others, to be trained on with them."""
 
     def __init__(self, out, prefix, size):
+        name = re.compile(rf"{re.escape(prefix)}_(?:val|train)_\d{{6}}\.bin")
+        earlier = sorted(filter(name.fullmatch, os.listdir(out))) if os.path.isdir(out) else []
+        if earlier:
+            raise PrepError(f"--out {out} holds {len(earlier)} shards of an earlier run ({earlier[0]}"
+                            f"{', ...' if len(earlier) > 1 else ''}), which the new ones would mix with: "
+                            f"delete them ({os.path.join(out, prefix)}_*.bin), or choose another --out")
         self.out, self.prefix, self.size = out, prefix, size
         self.buffer = np.empty(size, dtype=np.uint16)
         self.filled = 0      # tokens in buffer
@@ -158,6 +187,8 @@ class Shards:
     def add(self, tokens):
         """Append tokens; a document that does not fit ends the shard and goes on in the next one."""
         while len(tokens):
+            if self.filled == self.size:
+                self.write()
             n = min(len(tokens), self.size - self.filled)
             self.buffer[self.filled:self.filled + n] = tokens[:n]
             self.filled += n
@@ -165,11 +196,9 @@ class Shards:
             if tqdm:
                 self.bar = self.bar or tqdm(total=self.size, unit="tokens", desc=f"shard {self.index}")
                 self.bar.update(n)
-            if self.filled == self.size:
-                self.write()
 
     def write(self):
-        """Write the shard being filled (the last one may be short) and start the next."""
+        """Write the shard being filled and start the next."""
         if self.bar:
             self.bar.close()
             self.bar = None
@@ -220,10 +249,13 @@ def main(argv):
         finally:   # a stream that breaks: its error line goes below the progress bar, not into it
             if shards.bar:
                 shards.bar.close()
-    if ndocs == 0:
-        raise PrepError(f"no documents in {' '.join(args.input) if args.input else dataset}")
-    if shards.filled:
-        shards.write()
+    if ndocs == 0:   # (a local file without documents is refused as it is read)
+        raise PrepError(f"no documents in {dataset}")
+    if shards.index == 0:   # all of them in shard 0, the val split, which is not written yet
+        raise PrepError(f"{ntokens:,} tokens fill only shard 0, the val split, at --shard_size "
+                        f"{args.shard_size:,}: there would be no train shard; use a smaller --shard_size, "
+                        f"such as {max(ntokens // 10, 1):,} (a tenth of them)")
+    shards.write()
     print(f"tokenized {ndocs:,} documents: {ntokens:,} tokens in {shards.index} shards in {out}")
 
 

@@ -170,6 +170,9 @@ def read_weights(path, config_json, heads, model):
         check_tensors(names, shapes, dests, config, path)
         for hf_name, (view, transposed) in dests.items():
             w = load(names[hf_name])
+            if not formats.all_finite(w):
+                raise PrepError(f"{path}: {names[hf_name]} holds NaN or infinite values: the weights are "
+                                f"damaged, or of a run that diverged")
             view[...] = w.T if transposed else w
         if LM_HEAD in f.keys() and not np.array_equal(load(LM_HEAD), dests["wte.weight"][0]):
             raise PrepError(f"{path}: {LM_HEAD} differs from wte.weight: llm.c ties the two, so an untied "
@@ -185,6 +188,8 @@ def main(argv):
                              "download; for --input, the sizes the weights have)")
     parser.add_argument("--heads", type=int, help="NH, when there is no config.json and C / 64 is not right")
     args = parser.parse_args(argv)
+    if args.heads is not None and args.heads < 1:
+        raise PrepError(f"--heads {args.heads}: a model has at least 1 head")
     if args.input:
         model = args.model
         path, config_json = locate(args.input)

@@ -9,7 +9,7 @@ from which train_gpt2.py decodes the samples it prints.
 """
 import os
 
-from data import REPO, arguments, read_text, write_shard
+from data import REPO, PrepError, arguments, read_text, write_shard
 from llm.launch import run
 from llm.tokenizer import VOCAB_ENV, Tokenizer
 
@@ -48,6 +48,9 @@ def main(argv):
     text = read_text(args.input, URL, offline_hint=OFFLINE_HINT)
     tokenizer = Tokenizer(args.vocab)
     tokens = tokenize(text, tokenizer)
+    if len(tokens) <= VAL_TOKENS:   # the val split would take them all
+        raise PrepError(f"{args.input or URL}: {len(tokens):,} tokens, and the first {VAL_TOKENS:,} are the "
+                        f"val split: nothing is left to train on (tiny Shakespeare makes 338,028)")
     os.makedirs(args.out, exist_ok=True)
     write_shard(os.path.join(args.out, "tiny_shakespeare_val.bin"), tokens[:VAL_TOKENS])
     write_shard(os.path.join(args.out, "tiny_shakespeare_train.bin"), tokens[VAL_TOKENS:])

@@ -28,6 +28,7 @@ import os
 import resource
 
 import numpy as np
+import xxhash
 
 from llm import formats
 from llm.config import GPT2_EOT, GPT2_VOCAB
@@ -74,6 +75,11 @@ class DataLoader:
         self._epoch_order = None   # (epoch, shard order, first stream position of each shard in it)
         self._shard = None         # (epoch, shard index, sample order or None)
         self.reset()
+
+    def files(self):
+        """{path: what this rank read there}, for the ranks to compare (llm/agreement.py)."""
+        return {shard.path: f"{shard.ntok:,} tokens, checksum {shard.checksum:016x}"
+                for shard in self.shards}
 
     @property
     def tokens_per_epoch(self):
@@ -139,7 +145,8 @@ class DataLoader:
 
 
 class Shard:
-    """One token shard, opened and checked whole at start-up: ntok tokens, every id below vocab_size.
+    """One token shard, opened and checked whole at start-up: ntok tokens, every id below vocab_size, and
+    the checksum (xxh3_64) of its tokens, by which ranks confirm they read the same data.
 
     read() takes tokens from the file opened then, so a file renamed over `path` later changes nothing;
     a change to the opened file itself (truncated, rewritten in place) is a DataError at the next read."""
@@ -150,12 +157,15 @@ class Shard:
         self.file, self.ntok = formats.open_shard(path)   # FormatError for a bad header or size
         self.stamp = self._stamp()
         buffer = np.empty(min(self.SCAN_TOKENS, self.ntok), dtype="<u2")
+        hasher = xxhash.xxh3_64()
         for first in range(0, self.ntok, self.SCAN_TOKENS):
             tokens = self.read(first, min(self.SCAN_TOKENS, self.ntok - first), buffer)
+            hasher.update(tokens)
             if int(tokens.max()) >= vocab_size:
                 position = first + int(np.argmax(tokens >= vocab_size))
                 raise DataError(f"{path}: token id {int(tokens[position - first])} at position {position} "
                                 f"is >= vocab size {vocab_size}")
+        self.checksum = hasher.intdigest()
 
     def _stamp(self):
         """What changes when the opened file does: its size and modification time."""
@@ -228,6 +238,8 @@ class EvalLoader:
             raise DataError(f"rank {rank} is outside 0..{world_size - 1}")
         self.path, self.B, self.T, self.eot = path, B, T, eot
         examples = formats.read_eval(path)
+        if not examples:   # an accuracy of 0 correct out of 0
+            raise DataError(f"{path}: holds no examples: write it anew with python -m data.hellaswag")
         for i, ex in enumerate(examples):
             _check_example(path, i, ex, T, vocab_size)
         self.num_examples = len(examples)
@@ -238,6 +250,10 @@ class EvalLoader:
 
     def __len__(self):
         return self.num_batches
+
+    def files(self):
+        """{path: what this rank read there}, for the ranks to compare (llm/agreement.py)."""
+        return {self.path: f"{self.num_examples:,} examples, {os.path.getsize(self.path):,} bytes"}
 
     def __iter__(self):
         B, T, E = self.B, self.T, self.examples_per_batch

@@ -47,9 +47,14 @@ class Rng:
         return (self.u32() >> 8) / 16777216.0
 
 
-def sample_softmax(logits, coin):
-    """Index i where the running sum of softmax(logits) first exceeds coin (the last index if none)."""
-    p = np.exp(logits.astype(np.float64) - logits.max())
+def sample_softmax(logits, coin, temperature=1.0):
+    """Index i where the running sum of softmax(logits / temperature) first exceeds coin (the last index if
+    none). The largest logit is subtracted before dividing, in float64: it gives exp(0) = 1 at any
+    temperature, so a tiny temperature is the argmax (greedy), where logits / temperature would overflow
+    to inf - inf = NaN."""
+    x = logits.astype(np.float64)
+    with np.errstate(over="ignore"):   # a tiny temperature divides to -inf, whose exp is the 0 it should be
+        p = np.exp((x - x.max()) / temperature)
     cdf = np.cumsum(p / p.sum())
     return min(int(np.searchsorted(cdf, coin, side="right")), len(logits) - 1)
 
@@ -61,7 +66,7 @@ def pick(logits, coin, temperature=1.0, top_k=0):
     if 0 < top_k < len(logits):
         kth = np.partition(logits, -top_k)[-top_k]
         logits = np.where(logits >= kth, logits, -np.inf)
-    return sample_softmax(logits / temperature, coin)
+    return sample_softmax(logits, coin, temperature)
 
 
 def sample(model, context, n, max_T, rng, temperature=1.0, top_k=0):

@@ -13,7 +13,7 @@ import pytest
 from llm import formats
 from llm.tokenizer import Tokenizer, TokenizerFile
 from conftest import REPO
-from prep_scripts import VOCAB, needs_vocab, run_script
+from prep_scripts import VOCAB, assert_one_line_error, needs_vocab, run_script
 
 SHARED = os.path.join(REPO, "..", "shared", "data")
 CORPUS = os.environ.get("TINYSHAKESPEARE") or os.path.join(SHARED, "tinyshakespeare.txt")
@@ -109,6 +109,31 @@ def test_missing_input_is_one_line_and_exit_1(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("text", ["", "\n\n  \n"])
+def test_an_input_without_text_is_one_line_and_writes_nothing(tmp_path, text):
+    """Once a train shard of 0 tokens, and exit 0."""
+    empty = tmp_path / "input.txt"
+    empty.write_text(text)
+    out = tmp_path / "out"
+    proc = run_script("tinyshakespeare", ["--input", empty, "--out", out, "--tokenizer", out / "tok.bin"],
+                      cwd=tmp_path)
+    assert_one_line_error(proc, f"error: {empty}: empty (no text in it): nothing to prepare")
+    assert not out.exists()
+
+
+@needs_vocab
+def test_an_input_shorter_than_the_val_split_is_one_line_and_writes_nothing(tmp_path):
+    """Once a val shard of all its tokens, a train shard of none, and exit 0."""
+    short = tmp_path / "input.txt"
+    short.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n")
+    out = tmp_path / "out"
+    proc = run_script("tinyshakespeare", ["--input", short, "--vocab", VOCAB, "--out", out, "--tokenizer",
+                                          out / "tok.bin"], cwd=tmp_path)
+    assert_one_line_error(proc, f"error: {short}: 26 tokens, and the first 32,768 are the val split: nothing "
+                                f"is left to train on")
+    assert not out.exists()
+
+
 @needs_corpus
 def test_missing_vocab_is_one_line_and_exit_1(tmp_path):
     missing = tmp_path / "gpt2.tiktoken"
@@ -149,6 +174,16 @@ def test_hellaswag_examples_are_context_and_space_led_endings(tmp_path, tokenize
     assert examples[2]["completions"] == [[880], [11234], [477, 1110], [379, 1755]]   # " well", " badly", ...
     for example in examples:
         assert all(tokenizer.decode(c[:1]).startswith(" ") for c in example["completions"])
+
+
+@pytest.mark.parametrize("text", ["", "\n\n"])
+def test_hellaswag_without_examples_is_one_line_and_writes_nothing(tmp_path, text):
+    """Once an eval file of 0 examples, on which -h 1 then divided by 0."""
+    jsonl = tmp_path / "hellaswag_val.jsonl"
+    jsonl.write_text(text)
+    proc = run_script("hellaswag", ["--input", jsonl, "--out", tmp_path / "out"], cwd=tmp_path)
+    assert_one_line_error(proc, f"error: {jsonl}: empty (no text in it): nothing to prepare")
+    assert not (tmp_path / "out").exists()
 
 
 @needs_vocab

@@ -12,14 +12,15 @@ import time
 
 import numpy as np
 import pytest
+import xxhash
 
 from llm import checkpoint, formats
 from llm.backends import gpu_missing
 from llm.config import GPT2Config
 from llm.weight_init import init_params
 import train_gpt2   # (importing it installs nothing: that happens under __main__ only)
-from conftest import (REPO, TINY, TRAIN, data_args, env, mpirun, needs_mpiexec, rank_pids, run_train,
-                      step_losses)
+from conftest import (MPIEXEC, REPO, TINY, TRAIN, data_args, env, mpirun, needs_mpiexec, rank_pids,
+                      run_train, step_losses)
 
 P = 3385088   # d2c64h4's parameters
 
@@ -200,6 +201,16 @@ def test_hellaswag_ids_beyond_the_vocab_are_refused_at_start(shards, largest_id)
     write_hellaswag(shards, largest_id)
     proc = run_train(TINY + data_args() + ["-x", "2", "-v", "1", "-h", "1"], cwd=shards, check=False)
     assert_one_line_error(proc, f"example 2 has token id {largest_id}, >= the model's vocab size 50257")
+    assert "step " not in proc.stdout
+
+
+def test_a_hellaswag_file_without_examples_is_refused_at_start(shards):
+    """Once a ZeroDivisionError traceback at the first eval: 0 correct out of 0."""
+    os.makedirs(shards / "data" / "hellaswag")
+    formats.write_eval(shards / "data" / "hellaswag" / "hellaswag_val.bin", [])
+    proc = run_train(TINY + data_args() + ["-x", "2", "-h", "1"], cwd=shards, check=False)
+    assert_one_line_error(proc, "error: data/hellaswag/hellaswag_val.bin: holds no examples: write it anew "
+                                "with python -m data.hellaswag")
     assert "step " not in proc.stdout
 
 
@@ -647,6 +658,73 @@ def test_bad_input_under_mpiexec_is_one_line_and_every_rank_stops(shards, args, 
     on)."""
     proc = run_train(TINY + data_args() + ["-x", "1"] + args, cwd=shards, check=False, launcher=mpirun(2))
     assert proc.returncode == 1 and proc.stderr.strip() == message, proc.stderr
+
+
+def with_flag(args, flag, value):
+    """args with `flag` set to `value`, in its place if it is there."""
+    args = list(args)
+    if flag in args:
+        args[args.index(flag) + 1] = value
+        return args
+    return args + [flag, value]
+
+
+AGREE = "every rank must run with the same flags and see the same files"
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("flag, rank0, rank1", [
+    ("-b", "4", "2"),              # once: wrong losses, printed as if nothing were amiss
+    ("-x", "2", "3"),              # once: rank 0 ended, rank 1 waited for it forever
+    ("-e", "d2c64h4", "d2c32h4"),  # once: MPICH's error stack, 12 lines
+])
+def test_ranks_started_with_different_flags_stop_with_one_line_naming_the_flag(shards, flag, rank0, rank1):
+    """An MPMD launch (mpiexec -n 1 A : -n 1 B) gives each rank its own command line."""
+    args = TINY + data_args() + ["-x", "2", "-o", "agree"]
+    ranks = [[sys.executable, TRAIN, *with_flag(args, flag, value)] for value in (rank0, rank1)]
+    proc = subprocess.Popen([MPIEXEC, "-n", "1", *ranks[0], ":", "-n", "1", *ranks[1]], cwd=shards,
+                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    code, stderr, _ = wait_for_the_end(proc, "agree")
+    assert code == 1 and stderr.strip() == (f"rank 0: error: ranks disagree on {flag}: {rank0} on rank 0 "
+                                            f"but {rank1} on rank 1: {AGREE}"), (code, stderr)
+
+
+def xxh3(tokens):
+    return f"{xxhash.xxh3_64(np.asarray(tokens, '<u2').tobytes()).intdigest():016x}"
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("differs", ["a val shard", "the HellaSwag file"])
+def test_ranks_that_see_different_files_stop_with_one_line_naming_the_file(shards, differs):
+    """Rank 1 runs where its data/ is another (tests/mpi_elsewhere.py), as on a node of its own: a val
+    shard with one token changed, or no HellaSwag file where rank 0 has one (-h 1 then evaluated on rank 0
+    alone)."""
+    node = shards / "node1"
+    os.makedirs(node / "data")
+    os.symlink(shards / "data" / "train.bin", node / "data" / "train.bin")
+    val = formats.read_shard(shards / "data" / "val.bin").copy()
+    if differs == "a val shard":
+        other = val.copy()
+        other[1000] += 1
+        formats.write_shard(node / "data" / "val.bin", other)
+        problem = (f"data/val.bin: 2,049 tokens, checksum {xxh3(val)} on rank 0 but 2,049 tokens, "
+                   f"checksum {xxh3(other)} on rank 1")
+    else:
+        os.symlink(shards / "data" / "val.bin", node / "data" / "val.bin")
+        os.makedirs(shards / "data" / "hellaswag")
+        path = shards / "data" / "hellaswag" / "hellaswag_val.bin"
+        formats.write_eval(path, [dict(label=1, context=[1, 2, 3], completions=[[4], [5, 6], [7], [8]])] * 3)
+        problem = (f"data/hellaswag/hellaswag_val.bin: 3 examples, {os.path.getsize(path):,} bytes on "
+                   f"rank 0 but no such file on rank 1")
+    elsewhere_py = os.path.join(REPO, "tests", "mpi_elsewhere.py")
+    proc = subprocess.Popen(mpirun(2) + [sys.executable, elsewhere_py, str(node), *TINY, *data_args(),
+                                         "-x", "2", "-h", "1"],
+                            cwd=shards, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    code, stderr, _ = wait_for_the_end(proc, str(node))
+    assert code == 1, (code, stderr)
+    assert stderr.strip() == f"rank 0: error: ranks disagree on {problem}: {AGREE}", stderr
 
 
 @needs_mpiexec

@@ -95,9 +95,10 @@ def test_one_and_two_workers_write_identical_files(shards):
 
 @needs_vocab
 def test_edu_type_names_the_shards_edu_fineweb(tmp_path, inputs):
-    proc = fineweb(["--input", inputs[1], "--type", "edu", "--vocab", VOCAB, "--out", tmp_path], cwd=tmp_path)
+    args = ["--input", inputs[1], "--type", "edu", "--vocab", VOCAB, "--out", tmp_path, "--shard_size", 10]
+    proc = fineweb(args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert shard_names(tmp_path) == ["edu_fineweb_val_000000.bin"]
+    assert shard_names(tmp_path) == ["edu_fineweb_val_000000.bin", "edu_fineweb_train_000001.bin"]
 
 
 @needs_vocab
@@ -113,6 +114,68 @@ def test_parquet_text_column_gives_the_same_shards_as_jsonl(tmp_path, inputs, sh
     out, _ = shards[1]
     for name in shard_names(out):
         assert (tmp_path / "out" / name).read_bytes() == (out / name).read_bytes(), name
+
+
+@needs_vocab
+def test_a_corpus_too_small_for_a_train_shard_is_refused_with_a_shard_size(tmp_path, inputs, expected):
+    """Once a val shard alone, and exit 0: -i then matched nothing. Exactly one shard's tokens are refused
+    too (shard 0, the val split, was written as soon as it filled)."""
+    for size in ("100000000", str(len(expected))):
+        proc = fineweb(["--input", *inputs, "--vocab", VOCAB, "--out", tmp_path / "out", "--shard_size",
+                        size], cwd=tmp_path)
+        assert_one_line_error(proc, f"error: {len(expected):,} tokens fill only shard 0, the val split, at "
+                                    f"--shard_size {int(size):,}: there would be no train shard; use a "
+                                    f"smaller --shard_size, such as {len(expected) // 10:,} (a tenth of "
+                                    f"them)")
+        assert not (tmp_path / "out").exists()
+
+
+@needs_vocab
+def test_an_out_that_holds_shards_of_an_earlier_run_is_refused(tmp_path, inputs):
+    """Once the new shards replaced the first of the earlier run's and left the others, which -i then matched
+    with them. Shards of another prefix (--type edu) are not in the way."""
+    args = ["--vocab", VOCAB, "--out", tmp_path, "--shard_size", SHARD_SIZE]
+    assert fineweb(["--input", *inputs, *args], cwd=tmp_path).returncode == 0
+    before = {name: (tmp_path / name).read_bytes() for name in shard_names(tmp_path)}
+    proc = fineweb(["--input", inputs[1], *args], cwd=tmp_path)
+    assert_one_line_error(proc, f"error: --out {tmp_path} holds {len(before)} shards of an earlier run "
+                                f"(fineweb_train_000001.bin, ...), which the new ones would mix with: delete "
+                                f"them ({tmp_path}/fineweb_*.bin), or choose another --out")
+    assert {name: (tmp_path / name).read_bytes() for name in shard_names(tmp_path)} == before
+    assert fineweb(["--input", inputs[1], "--type", "edu", *args[:-1], 5], cwd=tmp_path).returncode == 0
+
+
+@needs_vocab
+def test_an_input_without_documents_is_one_line_naming_it(tmp_path, inputs):
+    """An empty .txt once made a document of EOT alone; an empty .jsonl among other inputs added nothing."""
+    txt, jsonl = tmp_path / "empty.txt", tmp_path / "blank.jsonl"
+    txt.write_text("")
+    jsonl.write_text("\n\n")
+    proc = fineweb(["--input", inputs[1], txt, "--vocab", VOCAB, "--out", tmp_path / "out"], cwd=tmp_path)
+    assert_one_line_error(proc, f"error: {txt}: empty (no text in it): nothing to prepare")
+    proc = fineweb(["--input", jsonl, inputs[1], "--vocab", VOCAB, "--out", tmp_path / "out"], cwd=tmp_path)
+    assert_one_line_error(proc, f"error: {jsonl}: no documents in it: nothing to tokenize")
+    assert not (tmp_path / "out").exists()
+
+
+@needs_vocab
+@pytest.mark.parametrize("columns, problem", [
+    ({"content": ["a", "b"]}, 'no "text" column (its columns: content)'),
+    ({"text": [1, 2, 3]}, 'its "text" column holds int64, not strings'),
+    ({"text": [b"bytes", b"are not text"]}, 'its "text" column holds binary, not strings'),
+    ({"text": ["a", None, "c"]}, 'row 1 has no "text" (null)'),
+])
+def test_a_parquet_text_column_that_is_not_strings_is_one_line(tmp_path, columns, problem):
+    """Once a TypeError traceback from a tokenizing worker, and a missing column once read "not a parquet
+    file"."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table(columns), path)
+    proc = fineweb(["--input", path, "--vocab", VOCAB, "--out", tmp_path / "out"], cwd=tmp_path,
+                   block=["tqdm"])
+    assert_one_line_error(proc, f"error: {path}: {problem}")
+    assert not (tmp_path / "out").exists()
 
 
 def fake_datasets(folder, texts, fail_after=None):

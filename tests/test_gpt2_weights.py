@@ -206,6 +206,28 @@ def test_bad_tensor_is_one_line_naming_it(tmp_path, hf, change, problem):
     assert os.listdir(tmp_path) == ["model.safetensors"]          # nothing written
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(tmp_path, hf, value):
+    """Once written into gpt2_d2c64h4.bin, which every command then refused as damaged."""
+    t = dict(hf)
+    t["h.1.mlp.c_proj.weight"] = t["h.1.mlp.c_proj.weight"].copy()
+    t["h.1.mlp.c_proj.weight"][3, 5] = value
+    path = tmp_path / "model.safetensors"
+    safetensors_numpy.save_file(t, str(path))
+    proc = convert(["--input", str(path), "--heads", "4", "--out", str(tmp_path)], cwd=tmp_path)
+    assert_one_line_error(proc, f"{path}: h.1.mlp.c_proj.weight holds NaN or infinite values: the weights "
+                                f"are damaged, or of a run that diverged")
+    assert os.listdir(tmp_path) == ["model.safetensors"]          # nothing written
+
+
+@pytest.mark.parametrize("heads", ["0", "-4"])
+def test_heads_below_1_is_one_line(tmp_path, model_folder, heads):
+    """--heads 0 once meant no --heads: NH from config.json, and the file was written."""
+    proc = convert(["--input", str(model_folder), "--heads", heads, "--out", str(tmp_path)], cwd=tmp_path)
+    assert_one_line_error(proc, f"error: --heads {heads}: a model has at least 1 head")
+    assert os.listdir(tmp_path) == []
+
+
 def test_untied_lm_head_is_refused(tmp_path, hf):
     path = save_prefixed(tmp_path, hf, lm_head=hf["wte.weight"] + 1)
     proc = convert(["--input", str(path), "--heads", "4", "--out", str(tmp_path)], cwd=tmp_path)

@@ -14,7 +14,7 @@ from llm.backends import get_backend
 from llm.config import GPT2Config
 from llm.layout import ParamViews
 from llm.model import GPT2
-from llm.sample import generate
+from llm.sample import Rng, generate, sample
 from llm.weight_init import init_params
 from reference import gpt2 as ref
 from conftest import env
@@ -69,6 +69,14 @@ def test_top_k_1_is_greedy_decoding_by_the_reference_forward(files):
         logits, _, _ = ref.gpt2_forward(p, CONFIG, np.array([tokens]))
         tokens.append(int(np.argmax(logits[0, -1, :CONFIG.vocab_size])))
     assert printed == b"".join(CHARS[t] if t < EOT else b"<|endoftext|>" for t in tokens[1:]).decode()
+
+
+def test_a_tiny_temperature_is_greedy_decoding():
+    """logits / 1e-300 overflowed to inf, and inf - inf made every probability NaN."""
+    model = tiny_model()
+    greedy = sample(model, [EOT], 12, CONFIG.max_seq_len, Rng(99), top_k=1)
+    for temperature in (1e-30, 1e-300, 5e-324):
+        assert sample(model, [EOT], 12, CONFIG.max_seq_len, Rng(99), temperature=temperature) == greedy
 
 
 def test_defaults_print_what_training_prints(files):
