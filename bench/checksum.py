@@ -36,7 +36,8 @@ def main(argv):
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="d12")
     parser.add_argument("--master", type=int, default=0, choices=(0, 1))
-    parser.add_argument("--dir", default=None, help="where to write the files (default: a temporary directory)")
+    parser.add_argument("--dir", default=None,
+                        help="where to write the files (default: a temporary directory)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     config = GPT2Config.from_descriptor(args.model)
@@ -55,8 +56,8 @@ def main(argv):
             ("model (fp32)", model, [params],
              lambda: formats.write_model(model, config, params), lambda: formats.read_model(model)),
             ("state", state, buffers,
-             lambda: formats.write_state(state, step=1, num_processes=1, rng_state=0, loader_state=(0, 0), m=m,
-                                         v=v, master=master), lambda: formats.read_state(state, P)),
+             lambda: formats.write_state(state, step=1, num_processes=1, rng_state=0, loader_state=(0, 0),
+                                         m=m, v=v, master=master), lambda: formats.read_state(state, P)),
         ]
         total_hash = total_write = 0.0
         for name, path, payload, write, read in rows:
@@ -65,7 +66,8 @@ def main(argv):
             read_s = best_seconds(read, args.repeats)
             size = os.path.getsize(path)
             total_hash, total_write = total_hash + hash_s, total_write + write_s
-            print(f"{name:13s} {size / 1e6:8.1f} MB | checksum {1e3 * hash_s:7.1f} ms ({size / hash_s / 1e9:5.1f} GB/s)"
+            print(f"{name:13s} {size / 1e6:8.1f} MB"
+                  f" | checksum {1e3 * hash_s:7.1f} ms ({size / hash_s / 1e9:5.1f} GB/s)"
                   f" | write {1e3 * write_s:8.1f} ms | read and verify {1e3 * read_s:8.1f} ms")
     print(f"checkpoint: checksums {1e3 * total_hash:.1f} ms of a {1e3 * total_write:.1f} ms write "
           f"({100 * total_hash / total_write:.1f}%)")

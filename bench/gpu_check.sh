@@ -6,7 +6,8 @@
 # (default: env ops test table)
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache} PATH=$PATH:/usr/local/cuda/bin
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache} \
+  PATH=$PATH:/usr/local/cuda/bin
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
 TS="-i data/tinyshakespeare/tiny_shakespeare_train.bin -j data/tinyshakespeare/tiny_shakespeare_val.bin"
 stages=${*:-env ops test table}
@@ -16,18 +17,23 @@ for stage in $stages; do
   env)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import cupy, numpy, ml_dtypes, mpi4py, threadpoolctl; from cupy.cuda import nccl
-print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'nccl', nccl.get_version(),
-      'numpy', numpy.__version__, 'ml_dtypes', ml_dtypes.__version__, 'mpi4py', mpi4py.__version__)" ;;
+print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(),
+      'nccl', nccl.get_version(), 'numpy', numpy.__version__, 'ml_dtypes', ml_dtypes.__version__,
+      'mpi4py', mpi4py.__version__)" ;;
   attn)    # every attention kernel against the float64 naive one at odd sizes
-    timeout 240 python3 -m pytest -q -rs tests/test_cupy_backend.py -k fused_attention 2>&1 | tee "$OUT/attn.log" | tail -4 ;;
+    timeout 240 python3 -m pytest -q -rs tests/test_cupy_backend.py -k fused_attention 2>&1 |
+      tee "$OUT/attn.log" | tail -4 ;;
   ops)
     timeout 300 python3 -m pytest -q -rs tests/test_cupy_backend.py 2>&1 | tee "$OUT/ops.log" | tail -25 ;;
   opsbench)   # each op alone at d12, B=64: ms, GB/s, TFLOP/s, and the sum over one step
     timeout 200 python3 -m bench.gpu_ops --B 64 2>&1 | tee "$OUT/opsbench.log" | tail -40 ;;
   test)
-    timeout 150 python3 test_gpt2.py --backend cupy --precision fp32 2>&1 | tee "$OUT/test_fp32.log" | grep -iE "logits|overall"
-    timeout 150 python3 test_gpt2.py --backend cupy --precision bf16 2>&1 | tee "$OUT/test_bf16.log" | grep -iE "logits|overall"
-    timeout 150 python3 test_gpt2.py --backend cupy --attention cudnn 2>&1 | tee "$OUT/test_cudnn.log" | grep -iE "logits|overall" ;;
+    timeout 150 python3 test_gpt2.py --backend cupy --precision fp32 2>&1 | tee "$OUT/test_fp32.log" |
+      grep -iE "logits|overall"
+    timeout 150 python3 test_gpt2.py --backend cupy --precision bf16 2>&1 | tee "$OUT/test_bf16.log" |
+      grep -iE "logits|overall"
+    timeout 150 python3 test_gpt2.py --backend cupy --attention cudnn 2>&1 | tee "$OUT/test_cudnn.log" |
+      grep -iE "logits|overall" ;;
   bench)   # flash attention (the default), without CUDA graphs, cuDNN's, and cuDNN's with -r 2
     for opts in "" "--cuda-graph 0" "--attention cudnn" "--attention cudnn -r 2"; do
       timeout 200 python3 -m bench.step --backend cupy --model d12 -b 64 -t 1024 --steps 8 $opts 2>&1 |
@@ -41,7 +47,8 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
   d48)     # GPT-2 1.5B, B=16: ours beside torch.compile's; and B=60, the largest batch known to fit ours
     timeout 300 python3 -m bench.step --backend cupy --model d48 -b 16 -t 1024 --steps 3 > "$OUT/d48.log" 2>&1
     timeout 400 python3 -m bench.torch_gpt2 --model d48 -b 16 -t 1024 --steps 6 > "$OUT/d48_torch.log" 2>&1
-    python3 -m bench.table "this project, d48 B=16=$OUT/d48.log" "torch.compile, d48 B=16=$OUT/d48_torch.log" \
+    python3 -m bench.table "this project, d48 B=16=$OUT/d48.log" \
+      "torch.compile, d48 B=16=$OUT/d48_torch.log" \
       --yardstick "torch.compile, d48 B=16" --limit 80460   # 790 TFLOP/s over d48's 9.82 GFLOP a token
     timeout 300 python3 -m bench.step --backend cupy --model d48 -b 60 -t 1024 --steps 2 2>&1 |
       tee "$OUT/d48_b60.log" | grep -E "^d48|median|memory|rror" ;;
@@ -58,7 +65,8 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     grep -A 18 "^per-op" "$OUT/table.log" ;;
   zero)    # ZeRO-1's memory per rank as llm.c's PR measured it: d48, B=4, four ranks on this one GPU
     for z in 0 1; do
-      nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 > "$OUT/zero$z.mem" &
+      nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 \
+        > "$OUT/zero$z.mem" &
       sampler=$!
       timeout 300 $MPIRUN -np 4 python3 train_gpt2.py -e d48 -b 4 -t 1024 -x 1 -v 100 -m 1 -s 0 -z $z $TS \
         > "$OUT/zero$z.log" 2>&1
@@ -67,10 +75,12 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
         "$(sort -t, -k2 -n "$OUT/zero$z.mem" | tail -1 | cut -d, -f2 | tr -d ' ') MiB"
     done ;;
   torch)   # the yardstick, same model and batch, same GPU
-    timeout 400 python3 -m bench.torch_gpt2 --model d12 -b 64 -t 1024 --steps 20 2>&1 | tee "$OUT/torch.log" | tail -3 ;;
+    timeout 400 python3 -m bench.torch_gpt2 --model d12 -b 64 -t 1024 --steps 20 2>&1 |
+      tee "$OUT/torch.log" | tail -3 ;;
   train)   # 30 steps of d12 on tiny Shakespeare: GPU fp32 (TF32 off) and bf16 (flash, cuDNN) curves
     common="-e d12 -b 8 -t 256 -l 3e-4 -x 30 -v 10 -m 4 -s 0 $TS"
-    timeout 200 python3 train_gpt2.py $common --backend cupy --precision fp32 -f 0 > "$OUT/train_fp32.log" 2>&1
+    timeout 200 python3 train_gpt2.py $common --backend cupy --precision fp32 -f 0 \
+      > "$OUT/train_fp32.log" 2>&1
     timeout 200 python3 train_gpt2.py $common --backend cupy > "$OUT/train_bf16.log" 2>&1
     timeout 200 python3 train_gpt2.py $common --backend cupy --cuda-graph 0 > "$OUT/train_bf16_eager.log" 2>&1
     losses() { grep -E '^(step|val)' "$1" | cut -d'|' -f1-3; }   # step, loss, norm: no timings
@@ -80,24 +90,34 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     for f in fp32 bf16 cudnn; do echo "$f: $(grep -E '^step' "$OUT/train_$f.log" | tail -1)"; done
     python3 - "$OUT" <<'CURVES'   # how far each bf16 curve strays from the fp32 one
 import re, sys
-curve = lambda name: [float(x) for x in re.findall(r"^step +\d+/\d+ \| loss ([\d.]+)", open(f"{sys.argv[1]}/train_{name}.log").read(), re.M)]
+def curve(name):
+    log = open(f"{sys.argv[1]}/train_{name}.log").read()
+    return [float(x) for x in re.findall(r"^step +\d+/\d+ \| loss ([\d.]+)", log, re.M)]
 fp32 = curve("fp32")
 for name in ("bf16", "cudnn"):
     d = [abs(a - b) for a, b in zip(curve(name), fp32)]
-    print(f"{name} against fp32 over {len(d)} steps: loss differs by {max(d):.3f} at most, {sum(d) / len(d):.3f} on average")
+    print(f"{name} against fp32 over {len(d)} steps: loss differs by {max(d):.3f} at most, "
+          f"{sum(d) / len(d):.3f} on average")
 CURVES
     ;;
   mpi)     # two ranks on one GPU (MPI fallback) against one rank; one rank through NCCL
-    common="-e d6 -b 4 -t 256 -d 2048 -l 3e-4 -x 10 -v 100 -m 2 -s 0 -z 1 $TS --backend cupy --precision fp32 -f 0"
+    common="-e d6 -b 4 -t 256 -d 2048 -l 3e-4 -x 10 -v 100 -m 2 -s 0 -z 1 $TS"
+    common="$common --backend cupy --precision fp32 -f 0"
     timeout 200 python3 train_gpt2.py $common 2>&1 | tee "$OUT/np1.log" | grep -E "^step" | tail -3
-    timeout 200 $MPIRUN -np 2 python3 train_gpt2.py $common 2>&1 | tee "$OUT/np2.log" | grep -E "falling back|^step|Zero|allocated" | tail -12
-    timeout 200 python3 train_gpt2.py $common --comm nccl 2>&1 | tee "$OUT/nccl1.log" | grep -E "communicator|^step" | tail -4 ;;
+    timeout 200 $MPIRUN -np 2 python3 train_gpt2.py $common 2>&1 | tee "$OUT/np2.log" |
+      grep -E "falling back|^step|Zero|allocated" | tail -12
+    timeout 200 python3 train_gpt2.py $common --comm nccl 2>&1 | tee "$OUT/nccl1.log" |
+      grep -E "communicator|^step" | tail -4 ;;
   ckpt)    # a bf16 checkpoint written on the GPU gives the same val loss on the CPU, and the reverse
     rm -rf /tmp/ck_gpu /tmp/ck_cpu
-    timeout 200 python3 train_gpt2.py -e d6 -b 8 -t 256 -x 5 -n 5 -o /tmp/ck_gpu -v 5 -m 4 -s 0 $TS --backend cupy 2>&1 | grep "val loss" | tail -1
-    timeout 200 python3 train_gpt2.py -e /tmp/ck_gpu/model_00000005.bin -b 8 -t 256 -x 1 -v 1 -m 4 -s 0 $TS --backend numpy -l 0 2>&1 | grep "val loss" | head -1
-    timeout 200 python3 train_gpt2.py -e d6 -b 8 -t 256 -x 5 -n 5 -o /tmp/ck_cpu -v 5 -m 4 -s 0 $TS --backend numpy 2>&1 | grep "val loss" | tail -1
-    timeout 200 python3 train_gpt2.py -e /tmp/ck_cpu/model_00000005.bin -b 8 -t 256 -x 1 -v 1 -m 4 -s 0 $TS --backend cupy -l 0 2>&1 | grep "val loss" | head -1 ;;
+    timeout 200 python3 train_gpt2.py -e d6 -b 8 -t 256 -x 5 -n 5 -o /tmp/ck_gpu -v 5 -m 4 -s 0 $TS \
+      --backend cupy 2>&1 | grep "val loss" | tail -1
+    timeout 200 python3 train_gpt2.py -e /tmp/ck_gpu/model_00000005.bin -b 8 -t 256 -x 1 -v 1 -m 4 -s 0 $TS \
+      --backend numpy -l 0 2>&1 | grep "val loss" | head -1
+    timeout 200 python3 train_gpt2.py -e d6 -b 8 -t 256 -x 5 -n 5 -o /tmp/ck_cpu -v 5 -m 4 -s 0 $TS \
+      --backend numpy 2>&1 | grep "val loss" | tail -1
+    timeout 200 python3 train_gpt2.py -e /tmp/ck_cpu/model_00000005.bin -b 8 -t 256 -x 1 -v 1 -m 4 -s 0 $TS \
+      --backend cupy -l 0 2>&1 | grep "val loss" | head -1 ;;
   hf)      # llm.export's folder in transformers (needs torch and it; $GPT2_VOCAB offline): logits beside
            # ours, tokens beside tiktoken's; HF_MODEL=model.bin (or a run's -o dir) checks that one as well
     timeout 300 python3 -m bench.hf_check ${HF_MODEL:+-e "$HF_MODEL"} 2>&1 | tee "$OUT/hf.log" |

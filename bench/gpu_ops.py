@@ -119,16 +119,17 @@ def main(argv):
         bench("attention_backward mma.sync", lambda: mma.backward(dqkv, dx, qkv, out, att, NH), 8 * N * C * s,
               2.5 * att_flops)
     res = act(B, T, C)
-    bench("layernorm_forward + residual", lambda: be.residual_layernorm_forward(res, out, mean, rstd, x, dx, w_ln,
-                                                                                b_ln),
+    bench("layernorm_forward + residual",
+          lambda: be.residual_layernorm_forward(res, out, mean, rstd, x, dx, w_ln, b_ln),
           4 * N * C * s, per_step=2 * L)
     bench("gelu_forward", lambda: be.gelu_forward(h, dh), 2 * N * 4 * C * s, per_step=L)   # -r 1's recompute
-    bench("gelu_backward", lambda: be.gelu_backward(dh, h, h), 3 * N * 4 * C * s,   # bf16: in the GEMM's epilogue
-          per_step=L if be.precision == "fp32" else 0)
+    bench("gelu_backward", lambda: be.gelu_backward(dh, h, h), 3 * N * 4 * C * s,
+          per_step=L if be.precision == "fp32" else 0)   # bf16: in the GEMM's epilogue
     bench("residual_forward", lambda: be.residual_forward(out, x, dx), 3 * N * C * s)   # fused above now
     bench("fused_classifier", lambda: be.fused_classifier(logits, losses, targets, V, 1.0 / N),
           2 * N * Vp * s, per_step=1)
-    bench("adamw (all params)", lambda: be.adamw(params, grads, m, v, master, 1e-4, BETA1, BETA2, EPS, 0.1, 1, 1.0),
+    bench("adamw (all params)",
+          lambda: be.adamw(params, grads, m, v, master, 1e-4, BETA1, BETA2, EPS, 0.1, 1, 1.0),
           num_params * (3 * s + 16 + (8 if master is not None else 0)), per_step=1)
     bench("sumsq (all grads)", lambda: be.sumsq(grads), num_params * s, per_step=1)
 
@@ -140,7 +141,8 @@ def main(argv):
     step_ms = sum(ms * count for _, ms, _, _, count in rows)
     step_flops = sum(flops * count for _, _, _, flops, count in rows)
     print(f"sum over one d12 step (ops only, no launch gaps): {step_ms:.2f} ms, "
-          f"{N / step_ms * 1e3:,.0f} tok/s, matmuls and attention {step_flops / step_ms / 1e9:.0f} TFLOP/s averaged over the step")
+          f"{N / step_ms * 1e3:,.0f} tok/s, matmuls and attention {step_flops / step_ms / 1e9:.0f} TFLOP/s "
+          "averaged over the step")
 
 
 if __name__ == "__main__":

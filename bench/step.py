@@ -31,9 +31,9 @@ from llm.weight_init import init_params
 from llm.zero import ZeroOptimizer
 
 OPS = ("encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
-       "layernorm_backward", "matmul_forward", "matmul_backward", "matmul_gelu_forward", "matmul_gelu_backward",
-       "attention_forward", "attention_backward", "gelu_forward", "gelu_backward", "residual_forward",
-       "fused_classifier", "adamw", "sumsq")
+       "layernorm_backward", "matmul_forward", "matmul_backward", "matmul_gelu_forward",
+       "matmul_gelu_backward", "attention_forward", "attention_backward", "gelu_forward", "gelu_backward",
+       "residual_forward", "fused_classifier", "adamw", "sumsq")
 DEFAULT_BT = {"numpy": (4, 64), "cupy": (64, 1024)}
 ADVICE = "lower -b, use -r 2, or a smaller --model"   # when a step does not fit
 
@@ -97,7 +97,8 @@ def main(argv):
                         help="replay the forward and backward as CUDA graphs (cupy in bf16), as training "
                              "does")
     args = parser.parse_args(argv)
-    backend = get_backend(args.backend, args.precision, attention=args.attention, cuda_graph=bool(args.cuda_graph))
+    backend = get_backend(args.backend, args.precision, attention=args.attention,
+                          cuda_graph=bool(args.cuda_graph))
     B, T = args.b or DEFAULT_BT[backend.name][0], args.t or DEFAULT_BT[backend.name][1]
     config = GPT2Config.from_descriptor(args.model)
     memory.check(memory.needed(backend, config, [(B, T)], args.r), backend.memory_available(), ADVICE)

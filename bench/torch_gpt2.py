@@ -76,7 +76,8 @@ def main(argv):
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--sdpa", choices=["default", "flash", "cudnn"], default="default")
     parser.add_argument("--loss", choices=["padded", "sliced"], default="padded",
-                        help="padded: the cross-entropy over all Vp logits, as nanoGPT; sliced: over the first V")
+                        help="padded: the cross-entropy over all Vp logits, as nanoGPT; "
+                             "sliced: over the first V")
     args = parser.parse_args(argv)
     config = GPT2Config.from_descriptor(args.model)
     torch.manual_seed(0)
@@ -115,8 +116,8 @@ def main(argv):
             times.append((time.perf_counter() - t0) * 1000)
     ms = statistics.median(times)
     mode = "eager" if args.no_compile else "torch.compile"
-    print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} loss={args.loss} {args.model} B={B} T={T} bf16: "
-          f"loss {loss:.4f} | median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | peak memory: "
+    print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} loss={args.loss} {args.model} B={B} T={T} "
+          f"bf16: loss {loss:.4f} | median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | peak memory: "
           f"nvidia-smi {peak.peak_mib} MiB, torch reserved "
           f"{torch.cuda.max_memory_reserved() / 2**20:.0f} MiB")
 

@@ -192,8 +192,8 @@ def check_finite(path, x, what, locate=lambda i: f"at index {i}"):
     locate(i) says where the first one is."""
     if not all_finite(x):
         bad = np.flatnonzero(~np.isfinite(x))
-        raise FormatError(f"{path}: {what} holds NaN or infinite values ({bad.size}, the first {locate(bad[0])}): "
-                          f"the file is damaged")
+        raise FormatError(f"{path}: {what} holds NaN or infinite values ({bad.size}, "
+                          f"the first {locate(bad[0])}): the file is damaged")
 
 
 def _write_array(f, array, dtype):
@@ -419,18 +419,19 @@ def read_state(path, num_parameters):
         buffers = ("m", "v", "master") if use_master else ("m", "v")
         n_loss, n_norm = (int(x) for x in header[STATE_SLOT_WINDOWS:STATE_SLOT_WINDOWS + 2])
         if min(n_loss, n_norm, header[10], header[STATE_SLOT_NONFINITE_STREAK]) < 0:
-            raise FormatError(f"{path}: negative step, window length or count in the header: the file is damaged")
-        check_payload_size(path, payload_bytes, 4 * n * len(buffers) + 8 * (n_loss + n_norm),
-                           f"{'m, v and master' if use_master else 'm and v'} of {n} parameters"
-                           f"{f' and outlier windows of {n_loss} and {n_norm} values' if n_loss + n_norm else ''}")
+            raise FormatError(f"{path}: negative step, window length or count in the header: "
+                              f"the file is damaged")
+        what = f"{'m, v and master' if use_master else 'm and v'} of {n} parameters"
+        what += f" and outlier windows of {n_loss} and {n_norm} values" if n_loss + n_norm else ""
+        check_payload_size(path, payload_bytes, 4 * n * len(buffers) + 8 * (n_loss + n_norm), what)
         state = {name: np.fromfile(f, dtype="<f4", count=n) for name in buffers}
         windows = np.fromfile(f, dtype="<f8", count=n_loss + n_norm)
     checksum = _verify(path, header, [*state.values(), windows])
     for name, buffer in state.items():
         check_finite(path, buffer, name)
     if n and state["v"].min() < 0:
-        raise FormatError(f"{path}: v holds negative values ({int((state['v'] < 0).sum())}), and AdamW's second "
-                          f"moment never is: the file is damaged")
+        raise FormatError(f"{path}: v holds negative values ({int((state['v'] < 0).sum())}), "
+                          f"and AdamW's second moment never is: the file is damaged")
     return dict(step=int(header[10]), num_processes=int(header[2]), process_rank=int(header[3]),
                 should_shuffle=bool(header[5]), rng_state=_get64(header, 20, "<u8"),
                 rng_state_last_update=_get64(header, 22, "<u8"),
@@ -467,8 +468,10 @@ def write_debug_state(path, x, y, logits, loss, grads):
 
 
 def read_debug_state(path, config):
-    """-> dict(x, y: int32 (B, T), logits: float32 (B, T, V), loss: float, grads: float32 (num_parameters,))."""
-    with open_llmc(path, DEBUG_STATE_MAGIC, {DEBUG_STATE_VERSION: "padded vocab"}) as (f, header, payload_bytes):
+    """-> dict(x, y: int32 (B, T), logits: float32 (B, T, V), loss: float,
+    grads: float32 (num_parameters,))."""
+    versions = {DEBUG_STATE_VERSION: "padded vocab"}
+    with open_llmc(path, DEBUG_STATE_MAGIC, versions) as (f, header, payload_bytes):
         B, T = int(header[2]), int(header[3])
         V, n = config.vocab_size, config.num_parameters
         check_payload_size(path, payload_bytes, 4 * (2 * B * T + B * T * V + 1 + n),
@@ -487,7 +490,8 @@ def read_debug_state(path, config):
 def check_vocab(name, n_tokens, expected):
     """A tokenizer of n_tokens must match the model's vocab_size `expected`."""
     if n_tokens != expected:
-        raise FormatError(f"{name}: vocab mismatch: tokenizer has {n_tokens} tokens, model expects {expected}")
+        raise FormatError(f"{name}: vocab mismatch: tokenizer has {n_tokens} tokens, "
+                          f"model expects {expected}")
 
 
 def write_tokenizer(path, token_bytes, eot_id):
@@ -544,7 +548,8 @@ def write_shard(path, tokens):
     """Write token ids (each 0..65535, fewer than 2^31 of them) as one shard."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.size > MAX_SHARD_TOKENS:
-        raise FormatError(f"{path}: a shard holds a 1-D list of fewer than 2^31 tokens, got shape {tokens.shape}")
+        raise FormatError(f"{path}: a shard holds a 1-D list of fewer than 2^31 tokens, "
+                          f"got shape {tokens.shape}")
     bad = np.flatnonzero((tokens < 0) | (tokens > 65535))
     if bad.size:
         raise FormatError(f"{path}: token id {tokens[bad[0]]} at position {bad[0]} does not fit in "

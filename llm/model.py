@@ -76,7 +76,8 @@ class Activations:
         def place(first, width):   # `width` channels per position, `first` B*T*C-sized units in
             return scratch[first * B * T * C:(first * C + width) * B * T].reshape(B, T, width)
         self.proj = self.datty = place(0, C)
-        self.dqkv, self.dfch, self.gelu, self.ln = place(1, 3 * C), place(4, 4 * C), place(8, 4 * C), place(12, C)
+        self.dqkv, self.dfch = place(1, 3 * C), place(4, 4 * C)
+        self.gelu, self.ln = place(8, 4 * C), place(12, C)
 
     def ln1_of(self, l):
         return self.ln if self.ln1 is None else self.ln1[l]
@@ -139,7 +140,8 @@ class GPT2:
         """The logits (B, T, Vp) for token ids `inputs` (B, T); every activation is kept for backward()."""
         B, T = inputs.shape
         if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length T={T} exceeds the model's max_seq_len {self.config.max_seq_len}")
+            raise ValueError(f"sequence length T={T} exceeds the model's max_seq_len "
+                             f"{self.config.max_seq_len}")
         a = self.activations(B, T)
         self.backend.copy_in(a.inputs, np.ascontiguousarray(inputs, np.int32))
         self.backend.run(("forward", a), lambda: self._forward(a))
@@ -215,7 +217,8 @@ class GPT2:
             # dresidual = dloss/d residual3[l]: flows to fcproj's output and, unchanged, to residual2
             if self.recompute >= 1:
                 be.gelu_forward(fch_gelu, a.fch[l])
-            be.matmul_gelu_backward(a.dfch, g.fcprojw[l], g.fcprojb[l], a.dresidual, fch_gelu, p.fcprojw[l], a.fch[l])
+            be.matmul_gelu_backward(a.dfch, g.fcprojw[l], g.fcprojb[l], a.dresidual, fch_gelu, p.fcprojw[l],
+                                    a.fch[l])
             if self.recompute >= 2:
                 be.layernorm_forward(ln2, a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l], p.ln2w[l], p.ln2b[l])
             be.matmul_backward(a.dln, g.fcw[l], g.fcb[l], a.dfch, ln2, p.fcw[l])

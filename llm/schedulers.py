@@ -11,12 +11,14 @@ class LRScheduler:
       cosine    min_lr + 0.5 * (1 + cos(pi * r)) * (lr_max - min_lr),  r = (step - W) / (S - W)
       linear    lr_max - r * (lr_max - min_lr)
       constant  lr_max
-      wsd       lr_max until D = int(0.8 S), then min_lr + (1 - sqrt((step - D) / (S - D))) * (lr_max - min_lr)
+      wsd       lr_max until D = int(0.8 S), then
+                min_lr + (1 - sqrt((step - D) / (S - D))) * (lr_max - min_lr)
     """
 
     def __init__(self, kind, lr_max, warmup, total_steps, final_frac):
         if kind not in SCHEDULERS:
-            raise ValueError(f"unknown learning rate scheduler '{kind}': choose one of {', '.join(SCHEDULERS)}")
+            choices = ", ".join(SCHEDULERS)
+            raise ValueError(f"unknown learning rate scheduler '{kind}': choose one of {choices}")
         self.kind, self.lr_max, self.warmup, self.total = kind, lr_max, warmup, total_steps
         self.min_lr = lr_max * final_frac
 

@@ -29,7 +29,7 @@ def train_step(model, optimizer, batches, lr, t, guard):
     for inputs, targets in batches:
         model.forward(inputs)
         losses = model.backward(targets, dloss=1.0 / positions)   # the mean over the step's positions
-        loss_sum = loss_sum + losses.sum()                         # stays on the device until the norm is read
+        loss_sum = loss_sum + losses.sum()   # stays on the device until the norm is read
     optimizer.reduce_gradients()
     grad_norm = optimizer.grad_norm()   # the step's one wait for the device: the loss sum is ready by then
     loss = optimizer.comm.scalar_avg(float(loss_sum)) / positions

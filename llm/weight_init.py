@@ -1,5 +1,6 @@
 """llm.c's random init for models built from a descriptor (-e d12): torch.manual_seed(42), then normal_ on
-each weight in PyTorch's module order, so the values agree with llm.c's (and PyTorch's) up to float32 rounding.
+each weight in PyTorch's module order, so the values agree with llm.c's (and PyTorch's) up to float32
+rounding.
 
 torch's CPU generator is a Mersenne Twister, the same one NumPy's legacy RandomState uses, so the raw 32-bit
 draws match; what has to be reproduced here is how torch turns them into floats and normals.
@@ -48,7 +49,8 @@ def init_params(config, seed=42):
     p.wte[:V] = _torch_normal(rng, V * C, 0.02).reshape(V, C)
     p.wpe[...] = _torch_normal(rng, p.wpe.size, 0.02).reshape(p.wpe.shape)
     for l in range(L):
-        for name, std in (("qkvw", 0.02), ("attprojw", residual_std), ("fcw", 0.02), ("fcprojw", residual_std)):
+        for name, std in (("qkvw", 0.02), ("attprojw", residual_std), ("fcw", 0.02),
+                          ("fcprojw", residual_std)):
             w = getattr(p, name)[l]
             w[...] = _torch_normal(rng, w.size, std).reshape(w.shape)
     return flat

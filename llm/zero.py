@@ -46,7 +46,8 @@ class ZeroOptimizer:
     """AdamW over this rank's shard of the model's flat buffers, and the collectives around it.
 
     master_weights: keep an fp32 copy of this shard's parameters to update (llm.c's -w), when the
-    parameters themselves are stored in a narrower type (bf16); with fp32 parameters there is nothing to keep."""
+    parameters themselves are stored in a narrower type (bf16); with fp32 parameters there is nothing to
+    keep."""
 
     def __init__(self, model, comm, zero_stage, weight_decay, master_weights=True):
         if zero_stage not in (0, 1):

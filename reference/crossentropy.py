@@ -11,7 +11,7 @@ def crossentropy_forward(logits, targets, V):
     losses = -log probs[target] = log(sum exp z) - z[target], with z the first V logits minus their max."""
     z = logits[..., :V] - logits[..., :V].max(axis=-1, keepdims=True)   # shifting by the max keeps exp finite
     probs = np.zeros_like(logits)
-    np.exp(z, out=probs[..., :V])                                        # written in place: (B, T, V) is large
+    np.exp(z, out=probs[..., :V])                                       # written in place: (B, T, V) is large
     total = probs.sum(axis=-1, keepdims=True)
     probs /= total
     z_target = np.take_along_axis(z, targets[..., None], axis=-1)
@@ -26,5 +26,5 @@ def crossentropy_backward(probs, targets, dlosses):
     and is never a target, so its gradient is 0."""
     dlogits = probs * dlosses[..., None]
     b, t = np.indices(targets.shape)
-    dlogits[b, t, targets] -= dlosses                                    # the onehot term, at the targets only
+    dlogits[b, t, targets] -= dlosses                                   # the onehot term, at the targets only
     return dlogits

@@ -80,16 +80,19 @@ def gpt2_backward(params, config, cache):
         datty, grads["attprojw"][l], grads["attprojb"][l] = matmul_backward(dattproj, a["atty"],
                                                                             p["attprojw"][l], has_bias=True)
         dqkv = attention_backward(datty, a["qkv"], a["att"], NH)
-        dln1, grads["qkvw"][l], grads["qkvb"][l] = matmul_backward(dqkv, a["ln1"], p["qkvw"][l], has_bias=True)
+        dln1, grads["qkvw"][l], grads["qkvb"][l] = matmul_backward(dqkv, a["ln1"], p["qkvw"][l],
+                                                                   has_bias=True)
         dresidual_ln, grads["ln1w"][l], grads["ln1b"][l] = layernorm_backward(
             dln1, a["residual"], p["ln1w"][l], a["ln1_mean"], a["ln1_rstd"])
         dx = dresidual + dresidual_ln                                   # both paths to the layer's input
     dwte_embed, grads["wpe"] = encoder_backward(dx, inp, p["wte"].shape, p["wpe"].shape)
-    grads["wte"] = dwte_head + dwte_embed                               # wte is used twice: lm_head and embedding
+    # wte is used twice: lm_head and embedding
+    grads["wte"] = dwte_head + dwte_embed
     return grads
 
 
-def adamw_step(params, grads, m, v, t, lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0, grad_scale=1.0):
+def adamw_step(params, grads, m, v, t, lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0,
+               grad_scale=1.0):
     """AdamW over every tensor -> new (params, m, v) dicts; the defaults are train_gpt2.cu's betas and eps.
 
     As llm.c, weight decay applies only to the matrices (WEIGHT_DECAY_NAMES)."""

@@ -1,4 +1,5 @@
-"""Choosing a backend: "auto" is decided in one place, and every impossible choice is one line, not a traceback."""
+"""Choosing a backend: "auto" is decided in one place, and every impossible choice is one line, not a
+traceback."""
 import pytest
 
 from llm.backends import BackendError, get_backend, gpu_missing, resolve
@@ -35,7 +36,8 @@ def test_impossible_choices_are_one_clear_line(args, message):
 @pytest.mark.skipif(gpu_missing() is not None, reason="needs a usable GPU")
 @pytest.mark.parametrize("args, message", [
     (dict(name="cupy", precision="fp16"), "the cupy backend computes in bf16 or fp32, not 'fp16'"),
-    (dict(name="cupy", precision="fp32", attention="cudnn"), "--attention cudnn runs in bf16 on the GPU only"),
+    (dict(name="cupy", precision="fp32", attention="cudnn"),
+     "--attention cudnn runs in bf16 on the GPU only"),
 ])
 def test_impossible_gpu_choices_are_one_clear_line(args, message):
     with pytest.raises(BackendError, match=message):

@@ -6,7 +6,8 @@ to the GPU's storage type first, so both backends see the same numbers. Outputs 
 as NaN on the GPU (every element must be written); gradients an op accumulates into start random on
 both sides (so += is checked, not =). Small shapes, plus GPT-2 124M's C=768, NH=12, T=1024 at B=2.
 
-Skipped without cupy or without a usable CUDA device. Also runnable as a script: python tests/test_cupy_backend.py
+Skipped without cupy or without a usable CUDA device. Also runnable as a script:
+python tests/test_cupy_backend.py
 """
 import numpy as np
 import pytest
@@ -82,7 +83,8 @@ def compare(gpu, op, args, check, poison=(), fp32=()):
         gpu_args.append(a)
     getattr(gpu, op)(*gpu_args)
     errors = {i: rel_err(gpu.to_numpy(gpu_args[i]), ref_args[i]) for i in check}
-    print(f"{op:<20} {gpu.precision} {args[check[0]].shape}: " + ", ".join(f"{e:.2e}" for e in errors.values()))
+    shown = ", ".join(f"{e:.2e}" for e in errors.values())
+    print(f"{op:<20} {gpu.precision} {args[check[0]].shape}: {shown}")
     return errors
 
 
@@ -125,9 +127,10 @@ def test_layernorm_forward_and_backward_accumulate(gpu, shape):
     rng = np.random.default_rng(2)
     B, T, C = shape["B"], shape["T"], shape["C"]
     x, w, b = randn(rng, B, T, C, scale=2.0) + 0.5, randn(rng, C), randn(rng, C)
-    out, mean, rstd = np.zeros((B, T, C), np.float32), np.zeros((B, T), np.float32), np.zeros((B, T), np.float32)
-    assert_close(gpu, compare(gpu, "layernorm_forward", [out, mean, rstd, x, w, b], [0, 1, 2], poison=[0, 1, 2],
-                              fp32=[1, 2]))
+    out = np.zeros((B, T, C), np.float32)
+    mean, rstd = np.zeros((B, T), np.float32), np.zeros((B, T), np.float32)
+    assert_close(gpu, compare(gpu, "layernorm_forward", [out, mean, rstd, x, w, b], [0, 1, 2],
+                              poison=[0, 1, 2], fp32=[1, 2]))
     REF.layernorm_forward(out, mean, rstd, rounded(gpu, x), rounded(gpu, w), rounded(gpu, b))
     dinp, dw, db, dout = randn(rng, B, T, C), randn(rng, C), randn(rng, C), randn(rng, B, T, C)
     assert_close(gpu, compare(gpu, "layernorm_backward", [dinp, dw, db, dout, x, w, mean, rstd], [0, 1, 2],
@@ -160,13 +163,14 @@ def test_matmul_with_gelu_fused_forward_and_backward(gpu, shape):
     B, T, C = shape["B"], shape["T"], shape["C"]
     inp, w, bias = randn(rng, B, T, C), randn(rng, 4 * C, C, scale=C ** -0.5), randn(rng, 4 * C, scale=0.5)
     out, gelu_out = np.zeros((B, T, 4 * C), np.float32), np.zeros((B, T, 4 * C), np.float32)
-    assert_close(gpu, compare(gpu, "matmul_gelu_forward", [out, gelu_out, inp, w, bias], [0, 1], poison=[0, 1]))
+    assert_close(gpu, compare(gpu, "matmul_gelu_forward", [out, gelu_out, inp, w, bias], [0, 1],
+                              poison=[0, 1]))
     pre = randn(rng, B, T, 4 * C)
     gelu_inp = REF_GELU(rounded(gpu, pre))
     dinp, dw, dbias = np.zeros((B, T, 4 * C), np.float32), randn(rng, C, 4 * C), randn(rng, C)
     dout, w2 = randn(rng, B, T, C), randn(rng, C, 4 * C, scale=(4 * C) ** -0.5)
-    assert_close(gpu, compare(gpu, "matmul_gelu_backward", [dinp, dw, dbias, dout, gelu_inp, w2, pre], [0, 1, 2],
-                              poison=[0]))
+    assert_close(gpu, compare(gpu, "matmul_gelu_backward", [dinp, dw, dbias, dout, gelu_inp, w2, pre],
+                              [0, 1, 2], poison=[0]))
 
 
 def run_attention(backend, qkv, dout, NH, dtype, poison=False):
@@ -192,7 +196,8 @@ def test_attention_forward_and_backward(gpu, shape):
     ref = run_attention(REF, qkv, dout, NH, np.float32)
     got = run_attention(gpu, qkv, dout, NH, gpu.dtype, poison=True)
     errors = {name: rel_err(g, r) for name, g, r in zip(("out", "dqkv"), got, ref)}
-    print(f"attention            {gpu.precision} {qkv.shape}: " + ", ".join(f"{e:.2e}" for e in errors.values()))
+    shown = ", ".join(f"{e:.2e}" for e in errors.values())
+    print(f"attention            {gpu.precision} {qkv.shape}: {shown}")
     assert_close(gpu, errors)
 
 
@@ -285,7 +290,8 @@ def test_fused_classifier_losses_and_dlogits(gpu, vocab, with_grad):
     targets = rng.integers(0, V, (B, T)).astype(np.int32)
     losses = np.zeros((B, T), np.float32)
     dloss = 1.0 / (B * T) if with_grad else None
-    errors = compare(gpu, "fused_classifier", [logits, losses, targets, V, dloss], [0, 1], poison=[1], fp32=[1])
+    errors = compare(gpu, "fused_classifier", [logits, losses, targets, V, dloss], [0, 1], poison=[1],
+                     fp32=[1])
     assert_close(gpu, errors)
 
 
@@ -366,7 +372,8 @@ def test_training_replayed_from_cuda_graphs_equals_training_without_to_the_bit(a
         model.load_params(params)
         optimizer = ZeroOptimizer(model, SingleComm(), zero_stage=0, weight_decay=0.1)
         guard = UpdateGuard()
-        losses = [train_step(model, optimizer, batches, 1e-3, t + 1, guard).loss for t, batches in enumerate(steps)]
+        losses = [train_step(model, optimizer, batches, 1e-3, t + 1, guard).loss
+                  for t, batches in enumerate(steps)]
         val = model.validate(*steps[0][0]).get()
         return model, losses, model.params_numpy(), val
 

@@ -283,7 +283,8 @@ def test_push_offline_is_one_line_and_keeps_the_export(tmp_path, models):
     (["--push", "user/repo", "--missing", "huggingface_hub"],
      "this needs the huggingface_hub package: pip install .[weights]"),
     (["--missing", "safetensors"], "this needs the safetensors package: pip install .[weights]"),
-    (["--dtype", "bf16", "--missing", "ml_dtypes"], "this needs the ml_dtypes package: pip install .[weights]"),
+    (["--dtype", "bf16", "--missing", "ml_dtypes"],
+     "this needs the ml_dtypes package: pip install .[weights]"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     formats.write_model(tmp_path / "model.bin", CONFIG, random_params())
@@ -295,7 +296,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     (tmp_path / "other_model").mkdir()
     for name in ("README.md", "tokenizer.json", "config.json"):
         (tmp_path / "other_model" / name).write_text("{}\n")
-    if "--missing" in args:   # a module in the exporter's folder that fails to import, as a package not installed
+    # a module in the exporter's folder that fails to import, as a package not installed
+    if "--missing" in args:
         package = args[-1]
         (tmp_path / f"{package}.py").write_text(f"raise ImportError('No module named {package}')\n")
         args = args[:-2]

@@ -117,13 +117,13 @@ def test_flash_attention_stays_in_float32_and_raises_no_floating_point_error():
 
 def test_flash_attention_is_causal_future_positions_change_no_earlier_output():
     qkv, dout = inputs(2, 37, 2, 16)
-    s = 21                                                                  # inside the second 16-row tile
+    s = 21                                                              # inside the second 16-row tile
     future = qkv.copy()
     future[:, s:] += 1.0
     out, _ = ref.flash_forward(qkv, 2, BQ=16, BK=16)
     out2, _ = ref.flash_forward(future, 2, BQ=16, BK=16)
-    assert np.array_equal(out2[:, :s], out[:, :s])                          # bit for bit: masked p is exactly 0
-    dout[:, s:] = 0                                                          # a gradient only at positions < s
+    assert np.array_equal(out2[:, :s], out[:, :s])                      # bit for bit: masked p is exactly 0
+    dout[:, s:] = 0                                                     # a gradient only at positions < s
     out, lse = ref.flash_forward(qkv, 2, BQ=16, BK=16)
     dqkv = ref.flash_backward(dout, qkv, out, lse, 2, BQ=16, BK=16)
     assert np.all(dqkv[:, s:] == 0) and np.abs(dqkv[:, :s]).max() > 0

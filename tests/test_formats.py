@@ -295,7 +295,8 @@ def test_debug_state_round_trip_and_header(tmp_path):
 def test_debug_state_for_another_model_names_both_sizes(tmp_path):
     path = tmp_path / "debug_state.bin"
     formats.write_debug_state(path, **debug_batch())
-    other = GPT2Config(max_seq_len=16, vocab_size=40, padded_vocab_size=48, num_layers=2, num_heads=2, channels=16)
+    other = GPT2Config(max_seq_len=16, vocab_size=40, padded_vocab_size=48, num_layers=2, num_heads=2,
+                       channels=16)
     expected = 4 * (2 * 6 + 6 * 40 + 1 + 7616)
     actual = 4 * (2 * 6 + 6 * 37 + 1 + 7616)
     with raises(path, "B=2, T=3; the model has V=40 and 7616 parameters", f"({expected} bytes)",
@@ -402,7 +403,8 @@ def test_state_without_master(tmp_path):
 def test_state_keeps_the_data_shape_and_the_outlier_windows_after_llmcs_payload(tmp_path):
     path = tmp_path / "state.bin"
     m, v, master = optimizer_state()
-    loss_window, norm_window = [10.5, float("nan"), 9.25], [1.5 + 2**-40] * 128   # the windows see NaN steps too
+    # the windows see NaN steps too
+    loss_window, norm_window = [10.5, float("nan"), 9.25], [1.5 + 2**-40] * 128
     formats.write_state(path, step=130, num_processes=1, rng_state=0, loader_state=(0, 130), m=m, v=v,
                         master=master, samples_per_epoch=2**33 + 1, seq_len=64, nonfinite_streak=2,
                         loss_window=loss_window, norm_window=norm_window)
@@ -436,10 +438,10 @@ def test_model_and_state_files_holding_values_no_run_makes_are_refused(tmp_path)
     with raises(path, "the model holds NaN or infinite values (1, the first in wpe)"):
         formats.read_model(path)
     path = tmp_path / "state.bin"
-    for name, index, value, problem in [("m", 5, np.nan, "m holds NaN or infinite values (1, the first at index 5)"),
-                                        ("master", 0, -np.inf, "master holds NaN or infinite values (1, the first "
-                                                               "at index 0)"),
-                                        ("v", 9, -1e-3, "v holds negative values (1)")]:
+    cases = [("m", 5, np.nan, "m holds NaN or infinite values (1, the first at index 5)"),
+             ("master", 0, -np.inf, "master holds NaN or infinite values (1, the first at index 0)"),
+             ("v", 9, -1e-3, "v holds negative values (1)")]
+    for name, index, value, problem in cases:
         buffers = dict(zip(("m", "v", "master"), optimizer_state()))
         buffers[name][index] = value
         formats.write_state(path, step=1, num_processes=1, rng_state=0, loader_state=(0, 0), **buffers)
@@ -450,7 +452,8 @@ def test_model_and_state_files_holding_values_no_run_makes_are_refused(tmp_path)
 def test_state_errors(tmp_path):
     path = tmp_path / "state_00000120.bin"
     m, v, master = optimizer_state()
-    formats.write_state(path, step=1, num_processes=1, rng_state=1, loader_state=(0, 0), m=m, v=v, master=master)
+    formats.write_state(path, step=1, num_processes=1, rng_state=1, loader_state=(0, 0), m=m, v=v,
+                        master=master)
     with raises(path, "state is for a model with 7616 parameters, but this model has 124475904"):
         formats.read_state(path, GPT2Config().num_parameters)   # d12's
     cut_bytes(path, 4)

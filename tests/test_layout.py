@@ -14,10 +14,12 @@ def test_num_parameters_match_llmc(desc, n):
 
 def test_tiny_descriptor_reads_layers_channels_heads():
     c = GPT2Config.from_descriptor("d2c64h4")
-    assert (c.num_layers, c.channels, c.num_heads, c.padded_vocab_size, c.max_seq_len) == (2, 64, 4, 50304, 1024)
+    assert ((c.num_layers, c.channels, c.num_heads, c.padded_vocab_size, c.max_seq_len)
+            == (2, 64, 4, 50304, 1024))
 
 
-@pytest.mark.parametrize("desc, message", [("d7", "unsupported GPT-2 depth 7"), ("gpt2", "unsupported model descriptor"),
+@pytest.mark.parametrize("desc, message", [("d7", "unsupported GPT-2 depth 7"),
+                                           ("gpt2", "unsupported model descriptor"),
                                            ("d2c60h8", "channels 60 is not divisible by num_heads 8")])
 def test_bad_descriptors_are_clear_errors(desc, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,6 +1,6 @@
-"""Memory that does not exist: the count of what a run allocates (llm/memory.py) is the allocation's own, to the
-byte; a step and a checkpoint stay within what it adds for them; and a run that does not fit stops in one
-line before it reads or draws a parameter, as does an allocator's MemoryError."""
+"""Memory that does not exist: the count of what a run allocates (llm/memory.py) is the allocation's own, to
+the byte; a step and a checkpoint stay within what it adds for them; and a run that does not fit stops in
+one line before it reads or draws a parameter, as does an allocator's MemoryError."""
 import re
 import subprocess
 import sys
@@ -29,8 +29,8 @@ SMALL_VOCAB = dict(vocab_size=512, padded_vocab_size=512)
 
 
 class HalfBackend(NumpyBackend):
-    """The NumPy backend with 2-byte parameters, as bf16's on the GPU: the optimizer then keeps master weights.
-    Only allocated here, never computed with."""
+    """The NumPy backend with 2-byte parameters, as bf16's on the GPU: the optimizer then keeps master
+    weights. Only allocated here, never computed with."""
     dtype = np.float16
 
 
@@ -179,8 +179,8 @@ def test_a_descriptor_too_large_for_a_23_gb_machine_is_refused_before_any_init(s
 def write_header_only(path, config):
     """A model file whose header describes `config`, without its parameters (no machine could hold them)."""
     header = formats.new_header(formats.MODEL_MAGIC, formats.MODEL_VERSION_FP32)
-    header[2:8] = (config.max_seq_len, config.vocab_size, config.num_layers, config.num_heads, config.channels,
-                   config.padded_vocab_size)
+    header[2:8] = (config.max_seq_len, config.vocab_size, config.num_layers, config.num_heads,
+                   config.channels, config.padded_vocab_size)
     path.write_bytes(header.tobytes())
 
 
@@ -194,20 +194,20 @@ def assert_refused_in_one_line(proc, start):
 def test_a_run_no_machine_could_hold_stops_with_one_line(shards, args):
     """Exit 1, one line, nothing else: from a descriptor and batch, or from a model file's header alone."""
     write_header_only(shards / "huge.bin", GPT2Config(num_layers=1000, channels=1 << 16, num_heads=1 << 10))
-    proc = subprocess.run([sys.executable, TRAIN, *args, *data_args()], cwd=shards, env=env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, TRAIN, *args, *data_args()], cwd=shards, env=env(),
+                          capture_output=True, text=True, timeout=120)
     assert_refused_in_one_line(proc, "error: not enough memory: this run needs ")
     assert proc.stdout == ""
 
 
 def test_a_sample_from_a_model_no_machine_could_hold_stops_with_one_line(tmp_path):
-    config = GPT2Config(max_seq_len=32, vocab_size=3, padded_vocab_size=128, num_layers=1000, num_heads=1 << 10,
-                        channels=1 << 16)
+    config = GPT2Config(max_seq_len=32, vocab_size=3, padded_vocab_size=128, num_layers=1000,
+                        num_heads=1 << 10, channels=1 << 16)
     write_header_only(tmp_path / "huge.bin", config)
     formats.write_tokenizer(tmp_path / "tokenizer.bin", [b"a", b"b", b"<|endoftext|>"], 2)
-    proc = subprocess.run([sys.executable, "-m", "llm.sample", "-e", "huge.bin", "--tokenizer", "tokenizer.bin",
-                           "--backend", "numpy", "-g", "8"], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "llm.sample", "-e", "huge.bin", "--tokenizer",
+                           "tokenizer.bin", "--backend", "numpy", "-g", "8"],
+                          cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
     assert_refused_in_one_line(proc, "error: not enough memory: this run needs ")
     assert proc.stderr.endswith(f": {SAMPLE_ADVICE}\n"), proc.stderr
 
@@ -220,5 +220,6 @@ def test_an_allocators_memory_error_is_one_line(shards):
             f"sys.argv[0] = {TRAIN!r}; runpy.run_path({TRAIN!r}, run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code, "-e", "d2c64h4", "-b", "4", "-t", "32", *data_args()],
                           cwd=shards, env=env(), capture_output=True, text=True, timeout=120)
-    assert_refused_in_one_line(proc, "error: out of memory (Unable to allocate 4.00 PiB for an array with shape "
-                                     f"(1125899906842624,) and data type float32): {memory.TRAINING_ADVICE}")
+    assert_refused_in_one_line(proc, "error: out of memory (Unable to allocate 4.00 PiB for an array with "
+                                     "shape (1125899906842624,) and data type float32): "
+                                     f"{memory.TRAINING_ADVICE}")

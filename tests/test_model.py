@@ -103,7 +103,8 @@ def test_graphs_run_directly_once_record_on_the_second_call_and_replay_per_shape
     plain, graphed, log = model(), model(), []
     cache = GraphCache(lambda work: log.append("record") or Recording(work, log))
     graphed.backend.run = cache.run   # the cupy backend's protocol, on the NumPy backend's ops
-    for dloss in (1.0, 1.0, 1.0, 0.5, 0.5, 1.0):   # a new dloss is a new backward graph, not a replay of the old
+    # a new dloss is a new backward graph, not a replay of the old
+    for dloss in (1.0, 1.0, 1.0, 0.5, 0.5, 1.0):
         for want, got in zip(train_micro_step(plain, batch, dloss), train_micro_step(graphed, batch, dloss)):
             np.testing.assert_array_equal(got, want)
     # forward: direct, then recorded and replayed 5 times; backward at 1.0: 3 replays, at 0.5: 1

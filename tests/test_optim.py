@@ -82,7 +82,8 @@ def test_a_guard_restored_from_its_state_decides_as_the_one_that_went_on():
 def test_the_guard_stops_a_run_after_max_nonfinite_steps_in_a_row():
     guard = UpdateGuard(max_nonfinite=3)
     nan = float("nan")
-    for loss, norm in [(nan, 1.0), (1.0, math.inf), (1.0, 1.0), (nan, nan), (nan, 1.0)]:   # a finite step resets
+    for loss, norm in [(nan, 1.0), (1.0, math.inf), (1.0, 1.0),   # a finite step resets
+                       (nan, nan), (nan, 1.0)]:
         guard.check(loss, norm)
     assert guard.state()["nonfinite_streak"] == 2
     with pytest.raises(DivergedError, match="stopping: 3 steps in a row had a non-finite loss or grad norm"):

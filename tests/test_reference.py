@@ -262,8 +262,10 @@ def test_adamw_update_matches_a_hand_computed_element_at_steps_1_and_2():
     np.testing.assert_allclose(m, [0.025], rtol=1e-15)
     np.testing.assert_allclose(v, [0.003125], rtol=1e-15)
     np.testing.assert_allclose(p, [0.89000000399999984], rtol=1e-15)
-    # t = 2: g = 0.5 * -1 = -0.5; m = 0.9 * 0.025 - 0.05 = -0.0275; v = 0.95 * 0.003125 + 0.05 * 0.25 = 0.01546875
-    #        mhat = -0.0275 / 0.19 = -0.144736842...; vhat = 0.01546875 / 0.0975 = 0.158653846..., sqrt = 0.398313...
+    # t = 2: g = 0.5 * -1 = -0.5; m = 0.9 * 0.025 - 0.05 = -0.0275
+    #        v = 0.95 * 0.003125 + 0.05 * 0.25 = 0.01546875
+    #        mhat = -0.0275 / 0.19 = -0.144736842...
+    #        vhat = 0.01546875 / 0.0975 = 0.158653846..., sqrt = 0.398313...
     #        param = 0.890000004 - 0.1 * (-0.144736842 / 0.398313753 + 0.1 * 0.890000004) = 0.917437398
     p, m, v = ref.adamw_update(p, one(-1.0), m, v, 2, lr, beta1, beta2, eps, wd, scale)
     np.testing.assert_allclose(m, [-0.0275], rtol=1e-14)
@@ -293,9 +295,11 @@ def test_every_layer_keeps_float32_in_float32(rng):
     out["encoder dwte"], out["encoder dwpe"] = ref.encoder_backward(x, inp, (6, 4), (5, 4))
     out["layernorm_forward"], mean, rstd = ref.layernorm_forward(x, w, b)
     out["layernorm mean"], out["layernorm rstd"] = mean, rstd
-    out["layernorm dx"], out["layernorm dw"], out["layernorm db"] = ref.layernorm_backward(x, x, w, mean, rstd)
+    dx, dw, db = ref.layernorm_backward(x, x, w, mean, rstd)
+    out["layernorm dx"], out["layernorm dw"], out["layernorm db"] = dx, dw, db
     out["matmul_forward"] = ref.matmul_forward(x, f32(5, 4), f32(5))
-    out["matmul dx"], out["matmul dw"], out["matmul dbias"] = ref.matmul_backward(f32(2, 3, 5), x, f32(5, 4), True)
+    dx, dw, dbias = ref.matmul_backward(f32(2, 3, 5), x, f32(5, 4), True)
+    out["matmul dx"], out["matmul dw"], out["matmul dbias"] = dx, dw, dbias
     out["attention_forward"], out["attention att"] = ref.attention_forward(qkv, 2)
     out["attention dqkv"] = ref.attention_backward(x, qkv, out["attention att"], 2)
     out["gelu_forward"], out["gelu dx"] = ref.gelu_forward(x), ref.gelu_backward(x, x)

@@ -25,8 +25,8 @@ def params_after(directory, step):
 
 
 def train(shards, n, zero, out, extra=()):
-    args = TINY[:2] + ["-b", str(6 // n)] + TINY[4:] + data_args() + D + ["-z", str(zero), "-x", "10", "-n", "10",
-                                                                          "-o", out, *extra]
+    args = (TINY[:2] + ["-b", str(6 // n)] + TINY[4:] + data_args() + D
+            + ["-z", str(zero), "-x", "10", "-n", "10", "-o", out, *extra])
     return run_train(args, cwd=shards, launcher=mpirun(n) if n > 1 else ())
 
 
@@ -53,13 +53,15 @@ def test_two_ranks_with_zero1_equal_one_rank(shards):
 def test_zero0_and_zero1_agree(shards, n):
     z0 = train(shards, n, 0, f"z0_{n}").stdout
     z1 = train(shards, n, 1, f"z1_{n}").stdout
-    np.testing.assert_allclose([float(x) for x in step_losses(z1)], [float(x) for x in step_losses(z0)], rtol=1e-5)
+    np.testing.assert_allclose([float(x) for x in step_losses(z1)], [float(x) for x in step_losses(z0)],
+                               rtol=1e-5)
     assert_close(params_after(shards / f"z1_{n}", 10), params_after(shards / f"z0_{n}", 10), 1e-5)
 
 
 def test_optimizer_state_per_rank_is_one_nth(shards):
     """m and v bytes on each rank are ceil(P/N)*4, for an N that does not divide P."""
-    out = subprocess.run(mpirun(3) + [sys.executable, os.path.join(REPO, "tests", "mpi_shards.py"), "d2c64h4"],
+    script = os.path.join(REPO, "tests", "mpi_shards.py")
+    out = subprocess.run(mpirun(3) + [sys.executable, script, "d2c64h4"],
                          env=env(), capture_output=True, text=True, timeout=120, check=True).stdout
     P, sizes = out.split(" ", 1)
     P, sizes = int(P), ast.literal_eval(sizes)
@@ -78,7 +80,8 @@ def test_checkpoint_from_two_ranks_resumes_on_one_and_three(shards):
         out = run_train(["-b", str(6 // n)] + args + ["-o", f"from2_{n}", "-y", "1"], cwd=shards,
                         launcher=mpirun(n) if n > 1 else ()).stdout
         assert "resuming from checkpoint at step 4" in out
-        np.testing.assert_allclose([float(x) for x in step_losses(out)], [float(x) for x in full[4:]], rtol=1e-5)
+        np.testing.assert_allclose([float(x) for x in step_losses(out)], [float(x) for x in full[4:]],
+                                   rtol=1e-5)
 
 
 def test_every_rank_falls_back_with_rank_0_past_a_damaged_checkpoint(shards):

@@ -32,11 +32,14 @@ its dinp is the residual stream's gradient, which already holds the skip connect
   encoder_backward(dwte, dwpe, dout, inp)        dwte[inp] += dout; dwpe[:T] += sum_b dout
   layernorm_forward(out, mean, rstd, inp, w, b)  mean, rstd: float32 (B,T); eps 1e-5
   residual_layernorm_forward(residual, out, mean, rstd, inp1, inp2, w, b)
-                                                 residual = inp1 + inp2, then layernorm_forward(out, .., residual)
+                                                 residual = inp1 + inp2, then
+                                                 layernorm_forward(out, .., residual)
   layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd)   all three +=
-  matmul_forward(out, inp, w, bias)              out(B,T,OC) = inp(B,T,C) @ w(OC,C)^T + bias(OC) (bias may be None)
+  matmul_forward(out, inp, w, bias)              out(B,T,OC) = inp(B,T,C) @ w(OC,C)^T + bias(OC)
+                                                 (bias may be None)
   matmul_backward(dinp, dw, dbias, dout, inp, w) dinp = dout @ w;  dw += dout^T @ inp;  dbias += sum dout
-  matmul_gelu_forward(out, gelu_out, inp, w, bias)   matmul_forward, then gelu_out = gelu(out) (one fused GEMM)
+  matmul_gelu_forward(out, gelu_out, inp, w, bias)   matmul_forward, then gelu_out = gelu(out)
+                                                 (one fused GEMM)
   matmul_gelu_backward(dinp, dw, dbias, dout, inp, w, pre_gelu)   the matmul after a GELU: matmul_backward,
                                                  then dinp *= gelu'(pre_gelu), inp = gelu(pre_gelu)
   attention_saved_shape(B, T, NH)                (shape, dtype) of what attention keeps for backward: the
@@ -89,7 +92,8 @@ def resolve(name="auto", precision="auto"):
     if precision == "auto":
         precision = PRECISIONS[name][0]
     if precision not in PRECISIONS[name]:
-        raise BackendError(f"the {name} backend computes in {' or '.join(PRECISIONS[name])}, not '{precision}'")
+        choices = " or ".join(PRECISIONS[name])
+        raise BackendError(f"the {name} backend computes in {choices}, not '{precision}'")
     return name, precision
 
 

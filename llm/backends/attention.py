@@ -1,4 +1,5 @@
-"""Causal self-attention on the GPU: one class per algorithm, each owning its kernels, scratch and saved shape.
+"""Causal self-attention on the GPU: one class per algorithm, each owning its kernels, scratch and
+saved shape.
 
   NaiveAttention   fp32, the checking precision: cuBLAS around a causal softmax (kernels/attention.cu), exact
                    to fp32; keeps att, the (B, NH, T, T) probabilities, for the backward
@@ -119,7 +120,8 @@ class FlashAttention:
         return {"flash_D": ((B, NH, T), FP32)}
 
     def _kernel(self, name, hs):
-        return self.kernels.get("flash_attention", name, BF16, HS=hs, BQ=self.BQ, BK=self.BK, WARPS=self.WARPS)
+        return self.kernels.get("flash_attention", name, BF16, HS=hs, BQ=self.BQ, BK=self.BK,
+                                WARPS=self.WARPS)
 
     def _head_size(self, qkv, NH):
         hs = qkv.shape[-1] // 3 // NH
@@ -190,7 +192,8 @@ class HopperFlashAttention(FlashAttention):
 
     def backward(self, dqkv, dout, qkv, out, lse, NH):
         B, T, hs, D = self._rowsum(dqkv, dout, qkv, out, NH)
-        args = (dqkv, self.maps.rows(dout, hs, self.COPY_ROWS), self.maps.rows(qkv, hs, self.COPY_ROWS), lse, D,
-                np.int32(T), np.int32(NH), np.float32(hs ** -0.5))
+        dout_map = self.maps.rows(dout, hs, self.COPY_ROWS)
+        qkv_map = self.maps.rows(qkv, hs, self.COPY_ROWS)
+        args = (dqkv, dout_map, qkv_map, lse, D, np.int32(T), np.int32(NH), np.float32(hs ** -0.5))
         self._launch("flash_backward_dkv", hs, T, B, NH, args)
         self._launch("flash_backward_dq", hs, T, B, NH, args)

@@ -46,7 +46,8 @@ def check_packs(arrays, **lengths):
     """Kernels that move 16-byte packs need 16-byte aligned arrays and lengths that are multiples of 8."""
     for what, value in lengths.items():
         if value % PACK_MULTIPLE:
-            raise ValueError(f"the cupy backend needs {what} to be a multiple of {PACK_MULTIPLE}, got {value}")
+            raise ValueError(f"the cupy backend needs {what} to be a multiple of {PACK_MULTIPLE}, "
+                             f"got {value}")
     if any(a.data.ptr % 16 for a in arrays):
         raise ValueError("the cupy backend needs arrays that start on a 16-byte boundary "
                          "(views at element offsets that are multiples of 8)")
@@ -144,7 +145,8 @@ def cuda_include_dir():
 
 
 class TensorMaps:
-    """Tensor maps for Hopper's copy engine (TMA): cuTensorMapEncodeTiled from the CUDA driver, through ctypes.
+    """Tensor maps for Hopper's copy engine (TMA): cuTensorMapEncodeTiled from the CUDA driver, through
+    ctypes.
 
     rows(x, width, box_rows) describes a bf16 array x of shape (B, T, W) as a 3-dimensional tensor (column,
     t, b) read in boxes of box_rows rows by `width` columns, swizzled to the width in bytes (32, 64 or 128:
@@ -168,8 +170,9 @@ class TensorMaps:
             out = raw[start:start + 128].view(np.dtype([("opaque", np.uint8, 128)]))   # passed by value
             status = self.driver.cuTensorMapEncodeTiled(
                 ctypes.c_void_p(out.ctypes.data), self.BFLOAT16, u32(3), ctypes.c_void_p(x.data.ptr),
-                (u64 * 3)(W, T, B), (u64 * 2)(W * 2, T * W * 2), (u32 * 3)(width, box_rows, 1), (u32 * 3)(1, 1, 1),
-                self.INTERLEAVE_NONE, self.SWIZZLES[2 * width], self.L2_PROMOTION_128B, self.FILL_ZEROS)
+                (u64 * 3)(W, T, B), (u64 * 2)(W * 2, T * W * 2), (u32 * 3)(width, box_rows, 1),
+                (u32 * 3)(1, 1, 1), self.INTERLEAVE_NONE, self.SWIZZLES[2 * width], self.L2_PROMOTION_128B,
+                self.FILL_ZEROS)
             if status != 0:
                 raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUDA error {status} for {x.shape}")
             self.maps[key] = out
@@ -216,7 +219,8 @@ class Blas:
         a_type, b_type, c_type = CUDA_TYPES[A.dtype], CUDA_TYPES[B.dtype], CUDA_TYPES[C.dtype]
         if batch == 1:
             cublas.gemmEx(handle, self.OPS[transa], self.OPS[transb], m, n, k, alpha, A.data.ptr, a_type, lda,
-                          B.data.ptr, b_type, ldb, beta, C.data.ptr, c_type, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
+                          B.data.ptr, b_type, ldb, beta, C.data.ptr, c_type, ldc,
+                          compute, cublas.CUBLAS_GEMM_DEFAULT)
         else:
             cublas.gemmStridedBatchedEx(handle, self.OPS[transa], self.OPS[transb], m, n, k, alpha,
                                         A.data.ptr, a_type, lda, stride_a, B.data.ptr, b_type, ldb, stride_b,
@@ -244,8 +248,8 @@ class BlasLt:
     CANDIDATES, TIMED_RUNS = 16, 3
 
     class Heuristic(ctypes.Structure):   # cublasLtMatmulHeuristicResult_t
-        _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
-                    ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+        _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t),
+                    ("state", ctypes.c_int), ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
     def __init__(self, allow_tf32):
         self.lib = self._load()
@@ -287,8 +291,9 @@ class BlasLt:
 
     def _layout(self, dtype, rows, cols, ld):
         layout = ctypes.c_void_p()
-        self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), CUDA_TYPES[dtype], ctypes.c_uint64(rows),
-                                                        ctypes.c_uint64(cols), ctypes.c_int64(ld)),
+        self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), CUDA_TYPES[dtype],
+                                                        ctypes.c_uint64(rows), ctypes.c_uint64(cols),
+                                                        ctypes.c_int64(ld)),
                     "cublasLtMatrixLayoutCreate")
         return layout
 
@@ -323,9 +328,9 @@ class BlasLt:
             for attribute, align in zip(self._pointers(epilogue), pointer_aligns):
                 self._set(desc, attribute, ctypes.c_void_p(align))
             results, found = (self.Heuristic * self.CANDIDATES)(), ctypes.c_int(0)
-            self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, layouts[0], layouts[1], layouts[2],
-                                                                layouts[2], preference, self.CANDIDATES, results,
-                                                                ctypes.byref(found)), "AlgoGetHeuristic")
+            self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(
+                self.handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], preference,
+                self.CANDIDATES, results, ctypes.byref(found)), "AlgoGetHeuristic")
             if found.value == 0:
                 raise RuntimeError(f"cuBLASLt has no algorithm for the matmul {key}")
             self.plans[key] = [desc, layouts, list(results[:found.value]), None]   # None: not chosen yet
@@ -358,7 +363,8 @@ class BlasLt:
 
     def _pointers(self, epilogue):
         """The pointers an epilogue reads or writes, in the order (bias, aux); the others must stay NULL."""
-        return {"none": (), "bias": (self.BIAS_POINTER,), "gelu_aux_bias": (self.BIAS_POINTER, self.AUX_POINTER),
+        return {"none": (), "bias": (self.BIAS_POINTER,),
+                "gelu_aux_bias": (self.BIAS_POINTER, self.AUX_POINTER),
                 "dgelu": (self.AUX_POINTER,)}[epilogue]
 
     def matmul(self, transa, transb, m, n, k, A, lda, B, ldb, D, ldc, beta=0.0, epilogue="none", bias=None,
@@ -367,7 +373,8 @@ class BlasLt:
         writes the sum to aux and its GELU to D, "dgelu" multiplies by GELU's derivative at aux."""
         pointers = [x for x in (bias, aux) if x is not None]
         alignments = tuple(min(256, x.data.ptr & -x.data.ptr) for x in (A, B, D, *pointers))
-        key = (transa, transb, m, n, k, lda, ldb, ldc, A.dtype, B.dtype, D.dtype, epilogue, aux_ld, alignments)
+        key = (transa, transb, m, n, k, lda, ldb, ldc, A.dtype, B.dtype, D.dtype, epilogue, aux_ld,
+               alignments)
         plan = self._plan(key)
         desc, layouts = plan[:2]
         for attribute, array in zip(self._pointers(epilogue), pointers):
@@ -379,8 +386,10 @@ class BlasLt:
     def _run(self, desc, layouts, algo, A, B, D, beta):
         a_layout, b_layout, d_layout = layouts
         self._check(self.lib.cublasLtMatmul(
-            self.handle, desc, self.scalars[1.0].ctypes.data_as(ctypes.c_void_p), ctypes.c_void_p(A.data.ptr),
-            a_layout, ctypes.c_void_p(B.data.ptr), b_layout, self.scalars[beta].ctypes.data_as(ctypes.c_void_p),
-            ctypes.c_void_p(D.data.ptr), d_layout, ctypes.c_void_p(D.data.ptr), d_layout, ctypes.byref(algo.algo),
+            self.handle, desc, self.scalars[1.0].ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_void_p(A.data.ptr), a_layout, ctypes.c_void_p(B.data.ptr), b_layout,
+            self.scalars[beta].ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_void_p(D.data.ptr), d_layout, ctypes.c_void_p(D.data.ptr), d_layout,
+            ctypes.byref(algo.algo),
             ctypes.c_void_p(self.workspace.data.ptr), ctypes.c_size_t(self.WORKSPACE),
             ctypes.c_void_p(cupy.cuda.get_current_stream().ptr)), "cublasLtMatmul")

@@ -16,7 +16,8 @@ from . import BackendError
 try:
     import cudnn
 except (ImportError, OSError) as e:   # OSError: the package is there but libcudnn is not
-    raise ImportError(f"--attention cudnn needs cuDNN's Python frontend: pip install .[cudnn] ({e})") from None
+    raise ImportError(f"--attention cudnn needs cuDNN's Python frontend: pip install .[cudnn] "
+                      f"({e})") from None
 
 Q, K, V, O, STATS, DO, DQ, DK, DV = range(1, 10)   # the uids that bind each graph tensor to a buffer
 
@@ -53,10 +54,12 @@ class CudnnAttention:
         return self.graphs[key]
 
     def _build(self, B, T, NH, hs, C, backward):
-        graph = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
+        graph = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16,
+                              intermediate_data_type=cudnn.data_type.FLOAT,
                               compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
         heads = [B, NH, T, hs]
-        in_qkv, in_out = [3 * C * T, hs, 3 * C, 1], [C * T, hs, C, 1]   # strides of the (B, T, 3C), (B, T, C) buffers
+        # strides of the (B, T, 3C), (B, T, C) buffers
+        in_qkv, in_out = [3 * C * T, hs, 3 * C, 1], [C * T, hs, C, 1]
 
         def tensor(uid, stride, dims=heads, dtype=cudnn.data_type.BFLOAT16):
             return graph.tensor(dim=dims, stride=stride, data_type=dtype).set_uid(uid)

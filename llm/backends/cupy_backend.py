@@ -118,8 +118,9 @@ class CupyBackend:
 
     def _add_partial_sums(self, out, partial, rows, stride):
         """out[j] += sum over rows k of partial[k * stride + j] (reduce.cu), in row order."""
-        self._kernel("reduce", "add_partial_sums")((blocks(out.size),), (BLOCK,),
-                                                  (out, partial, np.int32(rows), np.int32(stride), np.int32(out.size)))
+        self._kernel("reduce", "add_partial_sums")(
+            (blocks(out.size),), (BLOCK,),
+            (out, partial, np.int32(rows), np.int32(stride), np.int32(out.size)))
 
     # ---------------------------------------------------------------- encoder
 
@@ -128,8 +129,9 @@ class CupyBackend:
         check_packs((out, wte, wpe), C=C)
         check_int32("inp", inp)
         pack = 16 // out.dtype.itemsize
-        self._kernel("encoder", "encoder_forward")((blocks(B * T * C // pack),), (BLOCK,),
-                                                   (out, inp, wte, wpe, np.int32(B * T), np.int32(T), np.int32(C)))
+        self._kernel("encoder", "encoder_forward")(
+            (blocks(B * T * C // pack),), (BLOCK,),
+            (out, inp, wte, wpe, np.int32(B * T), np.int32(T), np.int32(C)))
 
     def encoder_backward(self, dwte, dwpe, dout, inp):
         # dwte[inp[b,t]] += dout[b,t] and dwpe[t] += sum_b dout[b,t]: the embedding lookup's adjoint.
@@ -142,8 +144,8 @@ class CupyBackend:
         # a stable device sort (thrust, no host sync) groups equal tokens for the atomic-free dwte sum
         order = cupy.argsort(inp.reshape(-1))
         threads = min(C // pack, 1024)
-        self._kernel("encoder", "encoder_backward_wte")((B * T,), (threads,),
-                                                        (dwte, dout, inp, order, np.int32(B * T), np.int32(C)))
+        self._kernel("encoder", "encoder_backward_wte")(
+            (B * T,), (threads,), (dwte, dout, inp, order, np.int32(B * T), np.int32(C)))
 
     # ---------------------------------------------------------------- layernorm
 
@@ -165,7 +167,8 @@ class CupyBackend:
             (blocks(N, BLOCK // 32),), (BLOCK,), (residual, out, mean, rstd, inp1, inp2, w, b, np.int32(N)))
 
     def layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd):
-        # dinp += rstd (g - mean(g) - n mean(g n)), n = (x - mean) rstd, g = w dout; dw += sum dout n; db += sum dout
+        # dinp += rstd (g - mean(g) - n mean(g n)), n = (x - mean) rstd, g = w dout;
+        # dw += sum dout n; db += sum dout
         C = inp.shape[-1]
         N = inp.size // C
         check_packs((dinp, dout, inp, w), C=C)
@@ -278,8 +281,8 @@ class CupyBackend:
         c1, c2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
         f32 = np.float32
         self._kernel("adamw", "adamw")((blocks(n),), (BLOCK,),
-                                       (param, grad, m, v, master, n, f32(lr), f32(beta1), f32(beta2), f32(c1),
-                                        f32(c2), f32(eps), f32(weight_decay), f32(grad_scale)))
+                                       (param, grad, m, v, master, n, f32(lr), f32(beta1), f32(beta2),
+                                        f32(c1), f32(c2), f32(eps), f32(weight_decay), f32(grad_scale)))
 
     def sumsq(self, x):
         """sum(x^2) in fp32 as a 0-d device array: fixed-size partial sums, then one block adds them."""

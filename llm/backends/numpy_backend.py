@@ -180,7 +180,8 @@ class NumpyBackend:
         out[...] = ref.residual_forward(inp1, inp2)
 
     def fused_classifier(self, logits, losses, targets, V, dloss):
-        """A few positions at a time, on this rank's threads: each slice's (rows, Vp) temporaries stay small."""
+        """A few positions at a time, on this rank's threads: each slice's (rows, Vp) temporaries stay
+        small."""
         rows = logits.reshape(-1, logits.shape[-1])
         flat_losses, flat_targets = losses.reshape(-1), targets.reshape(-1)
 

@@ -1,6 +1,7 @@
 // AdamW over one contiguous segment of the flat buffers, as llm.c's adamw kernel:
 //   g = grad_scale * grad;  m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
-//   p = p_old - lr * ((m / c1) / (sqrt(v / c2) + eps) + weight_decay * p_old),  c1 = 1 - beta1^t, c2 = 1 - beta2^t
+//   p = p_old - lr * ((m / c1) / (sqrt(v / c2) + eps) + weight_decay * p_old)
+//   c1 = 1 - beta1^t, c2 = 1 - beta2^t
 // p_old is the fp32 master weight when there is one, else the parameter itself. The new value goes to the
 // master (if any) and is rounded to the nearest floatX (ties to even) into the parameter; llm.c rounds
 // stochastically instead, which only changes the low bit now and then.

@@ -47,13 +47,15 @@ extern "C" __global__ void softmax_forward(floatX* att, int rows, int T) {
     const int t = row % T;
     floatX* a = att + (long long)row * T;
     float m = LOWEST, sum = 0.0f;
-    for (int c = lane * PACK; c <= t; c += 32 * PACK) softmax_fold_pack(&m, &sum, load_pack(a + c), t + 1 - c);
+    for (int c = lane * PACK; c <= t; c += 32 * PACK)
+        softmax_fold_pack(&m, &sum, load_pack(a + c), t + 1 - c);
     warp_softmax_combine(&m, &sum);
     const float row_max = m, inv_sum = 1.0f / sum;
     for (int c = lane * PACK; c < T; c += 32 * PACK) {
         Pack p;
         if (c <= t) p = load_pack(a + c);
-        for (int i = 0; i < PACK; i++) p.v[i] = floatX(c + i <= t ? __expf((float)p.v[i] - row_max) * inv_sum : 0.0f);
+        for (int i = 0; i < PACK; i++)
+            p.v[i] = floatX(c + i <= t ? __expf((float)p.v[i] - row_max) * inv_sum : 0.0f);
         store_pack(a + c, p);
     }
 }

@@ -4,8 +4,9 @@
 
 // One block of 1024 threads per row (B*T rows). Pass 1: each thread keeps an online softmax (max, sum,
 // common.cuh) over every 1024th pack of the row's first V columns; the warps combine theirs with shuffles,
-// then every thread combines the warps' in the same order. losses[row] = log(sum) + max - logit[target]. Pass 2, only when write_dlogits is set:
-// overwrite the row with (probs - onehot) * dloss over the first V columns and 0 over the padding V..Vp.
+// then every thread combines the warps' in the same order. losses[row] = log(sum) + max - logit[target].
+// Pass 2, only when write_dlogits is set: overwrite the row with (probs - onehot) * dloss over the first V
+// columns and 0 over the padding V..Vp.
 // Pass 2 re-reads a row pass 1 has just read, so it mostly hits the L2 cache.
 extern "C" __global__ void fused_classifier(floatX* logits, float* losses, const int* targets, float dloss,
                                             int write_dlogits, int V, int Vp) {
@@ -15,7 +16,8 @@ extern "C" __global__ void fused_classifier(floatX* logits, float* losses, const
     const int target = targets[blockIdx.x];
     const float target_logit = (float)x[target];  // read before any thread overwrites the row
     float m = LOWEST, s = 0.0f;
-    for (int c = threadIdx.x * PACK; c < V; c += blockDim.x * PACK) softmax_fold_pack(&m, &s, load_pack(x + c), V - c);
+    for (int c = threadIdx.x * PACK; c < V; c += blockDim.x * PACK)
+        softmax_fold_pack(&m, &s, load_pack(x + c), V - c);
     warp_softmax_combine(&m, &s);
     if (lane == 0) {
         warp_m[warp] = m;
@@ -24,7 +26,8 @@ extern "C" __global__ void fused_classifier(floatX* logits, float* losses, const
     __syncthreads();
     m = LOWEST;
     s = 0.0f;
-    for (int k = 0; k < warps; k++) softmax_combine(&m, &s, warp_m[k], warp_s[k]);  // every thread, same order
+    for (int k = 0; k < warps; k++)  // every thread, same order
+        softmax_combine(&m, &s, warp_m[k], warp_s[k]);
     if (threadIdx.x == 0) losses[blockIdx.x] = logf(s) + m - target_logit;
     if (!write_dlogits) return;
     const float inv_s = 1.0f / s;

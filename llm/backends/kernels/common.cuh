@@ -40,9 +40,9 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 // The online softmax (Milakov and Gimelshein, 2018): one pass over a row keeps a running max m and a running
 // sum s = sum of exp(x - m) over the values seen so far. When a larger max m' arrives, the sum so far is
-// rescaled by exp(m - m'), so at the end s is exactly sum exp(x - max): no approximation, one read of the row.
-// Two partial (m, s) pairs, over disjoint parts of a row, combine the same way. The classifier and attention
-// both reduce their rows with these.
+// rescaled by exp(m - m'), so at the end s is exactly sum exp(x - max): no approximation, one read of the
+// row. Two partial (m, s) pairs, over disjoint parts of a row, combine the same way. The classifier and
+// attention both reduce their rows with these.
 __device__ __forceinline__ void softmax_combine(float* m, float* s, float m2, float s2) {
     const float new_m = fmaxf(*m, m2);
     *s = *s * __expf(*m - new_m) + s2 * __expf(m2 - new_m);
@@ -62,7 +62,8 @@ __device__ __forceinline__ void softmax_fold_pack(float* m, float* s, const Pack
 // Combine the (m, s) of the 32 lanes of a warp; every lane gets the row's (max, sum).
 __device__ __forceinline__ void warp_softmax_combine(float* m, float* s) {
     for (int offset = 16; offset > 0; offset >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, *m, offset), s2 = __shfl_xor_sync(0xffffffffu, *s, offset);
+        const float m2 = __shfl_xor_sync(0xffffffffu, *m, offset),
+                    s2 = __shfl_xor_sync(0xffffffffu, *s, offset);
         softmax_combine(m, s, m2, s2);
     }
 }

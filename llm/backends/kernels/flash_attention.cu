@@ -7,11 +7,11 @@
 // tiles of BK rows. One thread block owns one query tile and walks over the key tiles up to the diagonal
 // (causal: the tiles above it are all masked out); each (BQ, BK) block of scores lives only in registers.
 //
-// The softmax still comes out exact, by the online softmax (common.cuh, flash_tiles.cuh): per query row the block keeps the
-// largest score seen so far, m, the sum l of exp(s - m) over the scores seen so far, and the output so far,
-// o = sum of exp(s - m) v, unnormalised. A new tile of scores with a larger max m' multiplies l and o by
-// exp(m - m') first, which is exactly what they would have been had m' been known from the start. After
-// the last tile, out = o / l is softmax(S) v to the last bit of float arithmetic, not an approximation.
+// The softmax still comes out exact, by the online softmax (common.cuh, flash_tiles.cuh): per query row the
+// block keeps the largest score seen so far, m, the sum l of exp(s - m) over the scores seen so far, and the
+// output so far, o = sum of exp(s - m) v, unnormalised. A new tile of scores with a larger max m' multiplies
+// l and o by exp(m - m') first, which is exactly what they would have been had m' been known from the start.
+// After the last tile, out = o / l is softmax(S) v to the last bit of float arithmetic, not an approximation.
 //
 // What the backward needs is then only the output and, per row, the log-sum-exp lse = m + log(l) (B, NH, T)
 // in fp32: from q, k and lse it recomputes any tile of probabilities as P = exp(S - lse), and it keeps no
@@ -28,10 +28,10 @@
 // shared memory into the registers an mma wants with ldmatrix. q, k and v are read straight out of the qkv
 // buffer (B, T, 3C) and the output is written to (B, T, C): no permutes.
 //
-// flash_attention_hopper.cu does the same with Hopper's instructions; this one runs on any GPU from Ampere on.
-// What the two share (tiles, fragments, the softmax step) is in flash_tiles.cuh. The launcher
-// (llm/backends/attention.py: FlashAttention) sets the head size and the tiles as defines, one module per head
-// size; the values below are defaults only.
+// flash_attention_hopper.cu does the same with Hopper's instructions; this one runs on any GPU from Ampere
+// on. What the two share (tiles, fragments, the softmax step) is in flash_tiles.cuh. The launcher
+// (llm/backends/attention.py: FlashAttention) sets the head size and the tiles as defines, one module per
+// head size; the values below are defaults only.
 #include "flash_tiles.cuh"
 #ifndef BQ
 #define BQ 64      // query rows per tile
@@ -170,7 +170,8 @@ flash_forward(bf16* out, float* lse, const bf16* qkv, int T, int NH, float scale
 // D = rowsum(dO * out) per (b, head, t), fp32 (B, NH, T). A head's row is HS / 8 packs of 8 bf16, one
 // thread per pack, so that a warp reads 512 contiguous bytes of each input; the HS / 8 threads of a row add
 // their parts by shuffles, and the first writes the row's D.
-extern "C" __global__ void flash_backward_dot(float* D, const bf16* dout, const bf16* out, int B, int T, int NH) {
+extern "C" __global__ void flash_backward_dot(float* D, const bf16* dout, const bf16* out,
+                                              int B, int T, int NH) {
     constexpr int PACKS = HS / 8;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // pack i of (B, T, NH, HS)
     const long long row = i / PACKS, rows = (long long)B * T * NH;         // row = (b, t, h)
@@ -196,8 +197,8 @@ extern "C" __global__ void flash_backward_dot(float* D, const bf16* dout, const 
 //   P^T = exp(S^T - lse) (0 above the diagonal),  dS^T = P^T * (dP^T - D),  dV += P^T dO,  dK += dS^T Q.
 // Shared memory: Q and dO tiles, two of each in flight, and their rows' lse and D.
 extern "C" __global__ void __launch_bounds__(THREADS)
-flash_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int T, int NH,
-                   float scale) {
+flash_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D,
+                   int T, int NH, float scale) {
     __shared__ alignas(128) bf16 sQ[2 * BQ * HS], sdO[2 * BQ * HS];
     __shared__ float sL[2 * BQ], sD[2 * BQ];
     const int C = NH * HS;
@@ -261,8 +262,8 @@ flash_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* l
 // Its rows of Q and dO stay in registers; it walks the key tiles up to the diagonal:
 //   P = exp(S - lse) (0 above the diagonal),  dS = P * (dP - D),  dQ += dS K.
 extern "C" __global__ void __launch_bounds__(THREADS)
-flash_backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int T, int NH,
-                  float scale) {
+flash_backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D,
+                  int T, int NH, float scale) {
     const float scale_log2 = scale * LOG2E;
     __shared__ alignas(128) bf16 sK[2][BK * HS], sV[2][BK * HS];
     const int C = NH * HS;

@@ -39,7 +39,8 @@
 #define BACKWARD_TILE 64   // keys (dQ) or queries (dK, dV) per tile in the backward
 #endif
 constexpr int ROWS = 64 * CONSUMERS, THREADS = 128 * (1 + CONSUMERS), COPY_ROWS = 64;
-static_assert(FORWARD_TILE % 64 == 0 && BACKWARD_TILE == 64, "wgmma's N: 64 columns of scores per instruction");
+static_assert(FORWARD_TILE % 64 == 0 && BACKWARD_TILE == 64,
+              "wgmma's N: 64 columns of scores per instruction");
 
 struct alignas(64) TensorMap {   // CUtensorMap, made on the host by cuTensorMapEncodeTiled
     unsigned long long opaque[16];
@@ -62,7 +63,8 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem(bar)) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive_expect_bytes(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem(bar)), "r"(bytes) : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(smem(bar)), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
     asm volatile("{\n .reg .pred done;\n WAIT:\n"
@@ -96,14 +98,21 @@ template <int REGISTERS> __device__ __forceinline__ void registers_up() {
 //     16 moves 16 rows, to the descriptor of the tile 16 rows on
 __device__ __forceinline__ unsigned long long descriptor(const bf16* tile) {
     constexpr unsigned long long swizzle = SWIZZLE == 128 ? 1 : SWIZZLE == 64 ? 2 : 3;
-    return (smem(tile) & 0x3FFFF) >> 4 | 1ull << 16 | (unsigned long long)(8 * SWIZZLE >> 4) << 32 | swizzle << 62;
+    return (smem(tile) & 0x3FFFF) >> 4 | 1ull << 16 | (unsigned long long)(8 * SWIZZLE >> 4) << 32
+           | swizzle << 62;
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
 // Wait until at most PENDING of this warpgroup's committed groups of wgmma are still running.
 template <int PENDING = 0>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(PENDING) : "memory"); }
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(PENDING) : "memory");
+}
 
 // acc (64 x N, this warp's 16 rows as flash_tiles.cuh lays out a C tile) (+)= A (64 x 16, the warp's
 // fragment a) times B (16 x N) read through descriptor b; TRANS says which way B lies (see descriptor()).
@@ -112,7 +121,8 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 #define ACC8(i) "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3]), \
                 "+f"(acc[i + 1][0]), "+f"(acc[i + 1][1]), "+f"(acc[i + 1][2]), "+f"(acc[i + 1][3])
 template <int N, int TRANS>
-__device__ __forceinline__ void wgmma(float acc[][4], const unsigned a[4], unsigned long long b, int accumulate) {
+__device__ __forceinline__ void wgmma(float acc[][4], const unsigned a[4], unsigned long long b,
+                                      int accumulate) {
     if constexpr (N == 16) {
         asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %14, 0;\n"
                      " wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16"
@@ -149,10 +159,10 @@ __device__ __forceinline__ void rows_times_tile_t(float acc[][4], const unsigned
             wgmma<64, 0>(acc + 8 * n, a[kk], descriptor(tile + n * 64 * HS) + 2 * kk, kk);
 }
 
-// acc (16 x HS per warp) += P times tile (K rows of HS), P given as its bf16 A fragments: O += P V, dQ += dS K,
-// dV += P^T dO, dK += dS^T Q. The fragments are all made first (to_fragments), then one wgmma_fence(), so
-// that the instructions run back to back: a register that changes between two wgmma makes the compiler
-// fence each one.
+// acc (16 x HS per warp) += P times tile (K rows of HS), P given as its bf16 A fragments: O += P V,
+// dQ += dS K, dV += P^T dO, dK += dS^T Q. The fragments are all made first (to_fragments), then one
+// wgmma_fence(), so that the instructions run back to back: a register that changes between two wgmma makes
+// the compiler fence each one.
 template <int K>
 __device__ __forceinline__ void to_fragments(unsigned a[][4], const float p[][4]) {
     #pragma unroll
@@ -160,7 +170,8 @@ __device__ __forceinline__ void to_fragments(unsigned a[][4], const float p[][4]
 }
 
 template <int K>
-__device__ __forceinline__ void fragments_times_tile(float acc[][4], const unsigned a[][4], const bf16* tile) {
+__device__ __forceinline__ void fragments_times_tile(float acc[][4], const unsigned a[][4],
+                                                     const bf16* tile) {
     #pragma unroll
     for (int kk = 0; kk < K / 16; kk++) wgmma<HS, 1>(acc, a[kk], descriptor(tile + 16 * kk * HS), 1);
 }
@@ -173,7 +184,8 @@ __device__ __forceinline__ Layout& align_smem() {
     return *reinterpret_cast<Layout*>(raw + ((1024 - (smem(raw) & 1023)) & 1023));
 }
 
-__device__ __forceinline__ void init_ring(unsigned long long* full, unsigned long long* empty, unsigned full_arrivals) {
+__device__ __forceinline__ void init_ring(unsigned long long* full, unsigned long long* empty,
+                                          unsigned full_arrivals) {
     for (int s = 0; s < STAGES; s++) {
         mbar_init(&full[s], full_arrivals);
         mbar_init(&empty[s], 4 * CONSUMERS);   // one arrival per consumer warp
@@ -219,14 +231,17 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
         registers_down<24>();
         if (threadIdx.x == 0) {
             mbar_arrive_expect_bytes(&sm.q_full, ROWS * HS * 2);
-            for (int r = 0; r < ROWS; r += COPY_ROWS) tma_load(sm.q + r * HS, &qkv_map, h * HS, q0 + r, b, &sm.q_full);
+            for (int r = 0; r < ROWS; r += COPY_ROWS)
+                tma_load(sm.q + r * HS, &qkv_map, h * HS, q0 + r, b, &sm.q_full);
             for (int j = 0; j < tiles; j++) {
                 const int s = j % STAGES;
                 wait_empty(sm.empty, j);
                 mbar_arrive_expect_bytes(&sm.full[s], 2 * FORWARD_TILE * HS * 2);
                 for (int r = 0; r < FORWARD_TILE; r += COPY_ROWS) {
-                    tma_load(sm.k[s] + r * HS, &qkv_map, C + h * HS, j * FORWARD_TILE + r, b, &sm.full[s]);
-                    tma_load(sm.v[s] + r * HS, &qkv_map, 2 * C + h * HS, j * FORWARD_TILE + r, b, &sm.full[s]);
+                    tma_load(sm.k[s] + r * HS, &qkv_map, C + h * HS, j * FORWARD_TILE + r, b,
+                             &sm.full[s]);
+                    tma_load(sm.v[s] + r * HS, &qkv_map, 2 * C + h * HS, j * FORWARD_TILE + r, b,
+                             &sm.full[s]);
                 }
             }
         }
@@ -296,7 +311,8 @@ struct DkvSmem {
 extern "C" __device__ int flash_backward_dkv_smem = sizeof(DkvSmem) + 1024;
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_backward_dkv(bf16* dqkv, const __grid_constant__ TensorMap dout_map, const __grid_constant__ TensorMap qkv_map,
+flash_backward_dkv(bf16* dqkv, const __grid_constant__ TensorMap dout_map,
+                   const __grid_constant__ TensorMap qkv_map,
                    const float* lse, const float* D, int T, int NH, float scale) {
     DkvSmem& sm = align_smem<DkvSmem>();
     const int C = NH * HS, k0 = blockIdx.x * ROWS, b = blockIdx.y / NH, h = blockIdx.y % NH;
@@ -385,7 +401,8 @@ struct DqSmem {
 extern "C" __device__ int flash_backward_dq_smem = sizeof(DqSmem) + 1024;
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_backward_dq(bf16* dqkv, const __grid_constant__ TensorMap dout_map, const __grid_constant__ TensorMap qkv_map,
+flash_backward_dq(bf16* dqkv, const __grid_constant__ TensorMap dout_map,
+                  const __grid_constant__ TensorMap qkv_map,
                   const float* lse, const float* D, int T, int NH, float scale) {
     DqSmem& sm = align_smem<DqSmem>();
     const int C = NH * HS, q0 = (gridDim.x - 1 - blockIdx.x) * ROWS, b = blockIdx.y / NH, h = blockIdx.y % NH;

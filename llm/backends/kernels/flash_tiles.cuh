@@ -28,7 +28,8 @@ constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
 constexpr int SWIZZLE = 2 * HS;
 
 __device__ __forceinline__ int at(int row, int chunk) {   // element offset of (row, chunk) in a tile
-    return row * HS + ((chunk ^ ((row * SWIZZLE >> 7) & (SWIZZLE / 16 - 1))) << 3);   // (o >> 7 is row * SWIZZLE >> 7)
+    // (o >> 7 is row * SWIZZLE >> 7)
+    return row * HS + ((chunk ^ ((row * SWIZZLE >> 7) & (SWIZZLE / 16 - 1))) << 3);
 }
 
 // Four 8x8 bf16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix i, and each lane
@@ -158,8 +159,8 @@ __device__ __forceinline__ void finish_softmax(float* lse_row, int row0, int T, 
 
 // Backward, dQ's rows: the lse (in log2 units) and D of this thread's rows g and g+8 of row0.., from the
 // head's rows lse_row and D_row; rows past T read as lse = +inf (P = 0) and D = 0.
-__device__ __forceinline__ void row_statistics(float L[2], float Drow[2], const float* lse_row, const float* D_row,
-                                               int row0, int T) {
+__device__ __forceinline__ void row_statistics(float L[2], float Drow[2], const float* lse_row,
+                                               const float* D_row, int row0, int T) {
     const int g = threadIdx.x % 32 / 4;
     #pragma unroll
     for (int r = 0; r < 2; r++) {

@@ -26,7 +26,8 @@ extern "C" __global__ void gelu_backward(floatX* dinp, const floatX* inp, const 
     for (int i = 0; i < PACK; i++) {
         const float v = (float)x.v[i];
         const float th = tanhf(GELU_SCALE * (v + 0.044715f * v * v * v));
-        const float grad = 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * GELU_SCALE * (1.0f + 3.0f * 0.044715f * v * v);
+        const float grad = 0.5f * (1.0f + th)
+                           + 0.5f * v * (1.0f - th * th) * GELU_SCALE * (1.0f + 3.0f * 0.044715f * v * v);
         dx.v[i] = floatX(grad * (float)d.v[i]);
     }
     store_pack(dinp + idx, dx);

@@ -135,5 +135,6 @@ layernorm_backward(floatX* dinp, float* partial, const floatX* dout, const float
                     }
         __syncthreads();
     }
-    for (int j = threadIdx.x; j < 2 * C; j += blockDim.x) partial[(long long)blockIdx.x * 2 * C + j] = block_sums[j];
+    for (int j = threadIdx.x; j < 2 * C; j += blockDim.x)
+        partial[(long long)blockIdx.x * 2 * C + j] = block_sums[j];
 }

@@ -19,7 +19,8 @@ extern "C" __global__ void add_partial_sums(floatX* out, const float* partial, i
 // those after its last whole pack are read one at a time. Each block writes the sum of its threads'
 // sums to partial[blockIdx.x].
 extern "C" __global__ void sumsq_partial(float* partial, const floatX* x, long long n) {
-    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x,
+                    stride = (long long)gridDim.x * blockDim.x;
     const long long head = min(n, (long long)((16 - (size_t)x % 16) % 16 / sizeof(floatX)));
     const long long packs = (n - head) / PACK, tail = head + packs * PACK;
     float acc = 0.0f;
