@@ -21,7 +21,7 @@ from llm import formats, launch, memory, report
 from llm.backends import get_backend, resolve
 from llm.checkpoint import OutputDir
 from llm.comm import make_comm
-from llm.config import WEIGHTS_HINT, GPT2Config
+from llm.config import GPT2_VOCAB, WEIGHTS_HINT, GPT2Config
 from llm.data import DataLoader, EvalLoader, score, shared_files_warning
 from llm.formats import FormatError
 from llm.launch import UsageError
@@ -254,7 +254,8 @@ def sample_decoder(settings, config, log0):
     first sample; None when no samples are drawn or the file is missing (samples then print as ids)."""
     if settings.sample_every == 0:
         return None
-    path = found(TOKENIZER_PATH)
+    # the repository's (the data scripts') is GPT-2's: a model of another vocab brings its own, or prints ids
+    path = found(TOKENIZER_PATH) if config.vocab_size == GPT2_VOCAB else TOKENIZER_PATH
     if not os.path.exists(path):
         log0(f"WARNING: {TOKENIZER_PATH} not found: samples print as token ids "
              "(python -m data.tinyshakespeare writes it)")
