@@ -1,6 +1,6 @@
 # Two commands: `make train` (set up, prepare tiny Shakespeare, train a small model on the CPU) and `make test`.
 # Offline machines: the corpus and GPT-2's BPE ranks are taken from $(SHARED) when present, else from
-# TINYSHAKESPEARE / GPT2_VOCAB, else downloaded.
+# TINYSHAKESPEARE / GPT2_VOCAB, else downloaded. A SHARED= given on the command line must hold both.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -13,8 +13,14 @@ ifneq ($(wildcard $(SHARED)/tinyshakespeare.txt),)
 export TINYSHAKESPEARE ?= $(abspath $(SHARED)/tinyshakespeare.txt)
 endif
 
+# a SHARED= that the user gave (not this file's default) and that lacks a file: said, not passed over
+ifneq ($(origin SHARED),file)
+SHARED_MISSING := $(strip $(foreach f,tinyshakespeare.txt gpt2.tiktoken,$(if $(wildcard $(SHARED)/$(f)),,$(f))))
+endif
+
 DATA := data/tinyshakespeare/tiny_shakespeare_train.bin
 TRAIN_STEPS ?= 250
+RESUME ?= 0
 
 .PHONY: setup data train test bench clean
 setup: $(VENV)/.installed
@@ -26,14 +32,20 @@ $(VENV)/.installed: pyproject.toml
 
 data: $(DATA)
 $(DATA): $(VENV)/.installed
+	$(if $(SHARED_MISSING),$(error SHARED=$(SHARED): $(if $(wildcard $(SHARED)/.),no $(SHARED_MISSING) \
+		there,no such folder): make takes tinyshakespeare.txt and gpt2.tiktoken from it))
 	$(PY) -m data.tinyshakespeare
 
-# a 4-layer, 256-channel GPT-2 (~16M parameters, most in wte) for about two minutes on 2 cores; the model
+# a 4-layer, 256-channel GPT-2 (~16M parameters, most in wte) for a few minutes on 2 cores; the model
 # of the last step goes to log_train/model_00000250.bin, for python -m llm.sample. The tests run this
-# recipe with fewer steps (TRAIN_STEPS=...).
+# recipe with fewer steps (TRAIN_STEPS=...). RESUME=1 goes on from log_train's newest checkpoint (with a
+# larger TRAIN_STEPS, on to that step); without it, an earlier run's log_train stops make here.
 train: data
+	$(if $(filter 0,$(RESUME)),$(if $(wildcard log_train/main.log log_train/DONE_*),$(error log_train holds \
+		an earlier run: rm -rf log_train to train anew, or make train RESUME=1 to resume it (with \
+		TRAIN_STEPS=500: on to step 500))))
 	$(PY) train_gpt2.py -e d4c256h4 -b 8 -t 64 -l 1e-3 -u 20 -x $(TRAIN_STEPS) -v 50 -m 4 \
-		-s $(TRAIN_STEPS) -g 48 -n $(TRAIN_STEPS) -o log_train
+		-s $(TRAIN_STEPS) -g 48 -n $(TRAIN_STEPS) -o log_train -y $(RESUME)
 
 test: setup
 	$(PY) -m pytest -q
@@ -43,4 +55,4 @@ bench: setup
 	$(PY) -m bench.step --backend numpy
 
 clean:
-	rm -rf $(VENV) data/tinyshakespeare log_train
+	rm -rf $(VENV) *.egg-info data/tinyshakespeare gpt2_tokenizer.bin log_train

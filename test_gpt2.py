@@ -10,6 +10,7 @@ the exit code is non-zero on failure.
 """
 import os
 
+import llm   # noqa: F401   first: a missing package is one line naming the venv (llm/__init__.py)
 import numpy as np
 
 from llm import formats, launch

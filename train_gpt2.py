@@ -14,13 +14,14 @@ import os
 import signal
 import time
 
+import llm   # noqa: F401   first: a missing package is one line naming the venv (llm/__init__.py)
 import numpy as np
 
 from llm import agreement, formats, launch, memory, report
 from llm.backends import get_backend, resolve
 from llm.checkpoint import OutputDir
 from llm.comm import make_comm
-from llm.config import WEIGHTS_HINT, GPT2Config
+from llm.config import GPT2_VOCAB, WEIGHTS_HINT, GPT2Config
 from llm.data import DataLoader, EvalLoader, score, shared_files_warning
 from llm.formats import FormatError
 from llm.launch import UsageError
@@ -35,6 +36,14 @@ from llm.zero import ZeroOptimizer, padded_size
 
 HELLASWAG_PATH = "data/hellaswag/hellaswag_val.bin"
 TOKENIZER_PATH = "gpt2_tokenizer.bin"
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+def found(path):
+    """A default path: in the current directory when it is there, else in the repository's root, where the
+    data scripts write it (so a run started elsewhere finds `make data`'s files)."""
+    in_repo = os.path.join(REPO, path)
+    return in_repo if not os.path.exists(path) and os.path.exists(in_repo) else path
 
 
 def one_of(*choices):
@@ -161,6 +170,9 @@ def parse_args(argv):
             raise UsageError(f"{flag} {value} needs -o, the directory that holds the checkpoints")
     warnings = tuple(f"{flag} is given {flags.count(flag)} times: the last, {flag} {values[FLAGS[flag][0]]}, "
                      f"counts" for flag in dict.fromkeys(flags) if flags.count(flag) > 1)
+    for flag in ("-i", "-j", "-e"):
+        if flag not in flags:
+            values[FLAGS[flag][0]] = found(values[FLAGS[flag][0]])
     overfit = values["overfit_single_batch"]
     train_pattern = values["val_data_pattern"] if overfit else values["train_data_pattern"]
     return Settings(**values, train_pattern=train_pattern, warnings=warnings)
@@ -190,7 +202,7 @@ def settle(settings, world_size, train_loader, val_loader):
     return replace(settings, total_batch_size=total_batch, world_size=world_size, warnings=warnings,
                    grad_accum_steps=total_batch // tokens_per_fwdbwd, train_num_batches=train_steps,
                    val_num_batches=val_steps,
-                   run_hellaswag=bool(settings.hellaswag_eval) and os.path.exists(HELLASWAG_PATH))
+                   run_hellaswag=bool(settings.hellaswag_eval) and os.path.exists(found(HELLASWAG_PATH)))
 
 
 def build_model(settings, backend, comm):
@@ -242,11 +254,13 @@ def sample_decoder(settings, config, log0):
     first sample; None when no samples are drawn or the file is missing (samples then print as ids)."""
     if settings.sample_every == 0:
         return None
-    if not os.path.exists(TOKENIZER_PATH):
+    # the repository's (the data scripts') is GPT-2's: a model of another vocab brings its own, or prints ids
+    path = found(TOKENIZER_PATH) if config.vocab_size == GPT2_VOCAB else TOKENIZER_PATH
+    if not os.path.exists(path):
         log0(f"WARNING: {TOKENIZER_PATH} not found: samples print as token ids "
              "(python -m data.tinyshakespeare writes it)")
         return None
-    return TokenizerFile(TOKENIZER_PATH, expected_vocab=config.vocab_size)
+    return TokenizerFile(path, expected_vocab=config.vocab_size)
 
 
 def preempted_line(step, start_step, out_dir):
@@ -289,7 +303,7 @@ def main(argv):
     settings = settle(settings, world_size, train_loader, val_loader)   # batch, steps: set once
     tokenizer = sample_decoder(settings, config, log0)
     eot = tokenizer.eot if tokenizer else config.eot
-    eval_loader = EvalLoader(HELLASWAG_PATH, B, T, comm.rank, world_size, config.vocab_size, eot) \
+    eval_loader = EvalLoader(found(HELLASWAG_PATH), B, T, comm.rank, world_size, config.vocab_size, eot) \
         if settings.run_hellaswag else None
     agreement.check(comm, FLAGS, settings, model, [train_loader, val_loader, eval_loader])   # ranks alike
     optimizer = ZeroOptimizer(model, comm, settings.zero_stage, settings.weight_decay,
@@ -358,7 +372,8 @@ def main(argv):
         backend.synchronize()
         ms = (time.perf_counter() - t0) * 1000
         tok_s, mfu = throughput.update(ms)
-        log0(report.step_line(step, train_steps, result, lr, ms, mfu, tok_s, backend.precision))
+        log0(report.step_line(step, train_steps, result, lr, ms, mfu, tok_s, backend.precision,
+                              throughput.eta_s(train_steps - step - 1)))
         out.log(f"s:{step} trl:{result.loss:.4f} lr:{lr:.6f} norm:{result.grad_norm:.2f}")
 
     if throughput.average_ms() is not None:

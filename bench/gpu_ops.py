@@ -46,7 +46,7 @@ def time_op(fn, reps, spin):
 
 
 def main(argv):
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--B", type=int, default=8)

@@ -64,7 +64,7 @@ def tokenizer_differences(folder, tiktoken):
 
 
 def main(argv):
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-e", help="a model checkpoint .bin (or a run's -o directory) to check as well")
     parser.add_argument("--vocab", help="GPT-2's BPE ranks, a gpt2.tiktoken file (default: $GPT2_VOCAB, else "
                                         "tiktoken's download)")

@@ -84,7 +84,7 @@ class OpTimer:
 
 
 def main(argv):
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--model", default="d12")

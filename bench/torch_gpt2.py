@@ -68,7 +68,7 @@ class GPT(nn.Module):
 
 
 def main(argv):
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="d12")
     parser.add_argument("-b", type=int, default=64)
     parser.add_argument("-t", type=int, default=1024)

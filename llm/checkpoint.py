@@ -3,7 +3,7 @@
   DIR/model_%08d.bin   the parameters, llm.c's model file (v3 fp32 or v5 bf16), readable by llm.c
   DIR/state_%08d.bin   optimizer state (full m, v, master), step, data position, outlier windows
   DIR/DONE_%08d        written last: a checkpoint counts only once its DONE file exists
-  DIR/main.log         llm.c's log lines (s:STEP trl:... / tel:... / eval:...)
+  DIR/main.log         llm.c's log lines (s:STEP trl:... / tel:... / eval:...), one of each kind a step
   DIR/LOCK             locked (flock) by the run writing here, for as long as it runs
 
 llm.c writes one state file per rank holding that rank's shard. We gather the shards and rank 0 writes
@@ -179,6 +179,7 @@ class OutputDir:
 
     def __init__(self, path, resume, comm):
         self.path, self.comm, self._lock = path, comm, None
+        self.logged = set()   # (step, kind) of the lines main.log holds from before a resume
         self.log_path = os.path.join(path, "main.log") if path else None
         self.lock_path = os.path.join(path, "LOCK") if path else None
         self.run_id = secrets.randbits(64) or 1   # a resumed run takes its checkpoint's
@@ -259,6 +260,9 @@ class OutputDir:
                                       f"does ({problem}): every rank must see the same -o {self.path}")
         if run_id:
             self.run_id = run_id
+        if step and self.comm.rank == 0 and os.path.isfile(self.log_path):
+            with open(self.log_path) as f:
+                self.logged = {log_key(line) for line in f}
         return step
 
     def _choose(self, model, optimizer, loader, guard):
@@ -283,8 +287,10 @@ class OutputDir:
         return 0, 0, None
 
     def log(self, line):
-        """Append one line to main.log (rank 0 writes it)."""
-        if not self.path or self.comm.rank != 0:
+        """Append one line to main.log (rank 0 writes it), unless the run resumed from holds that step's line
+        of that kind already: a resumed run measures the val loss of the step it resumes from again, and
+        redoes the steps its checkpoint is behind a crash, with the same values."""
+        if not self.path or self.comm.rank != 0 or log_key(line) in self.logged:
             return
         self._check_lock()
         try:
@@ -341,6 +347,12 @@ class OutputDir:
                 except OSError as e:
                     raise CheckpointError(f"cannot delete the checkpoint at step {old} "
                                           f"({_problem(e)})") from None
+
+
+def log_key(line):
+    """A main.log line's step and kind: "s:20 tel:5.5400" -> ("s:20", "tel")."""
+    step, _, value = line.strip().partition(" ")
+    return step, value.partition(":")[0]
 
 
 def _differs(path, mine, theirs):

@@ -61,7 +61,8 @@ class DataLoader:
         self.shuffle, self.seed = shuffle, seed
         paths = sorted(glob.glob(pattern))
         if not paths:
-            raise DataError(f"no files match -i/-j pattern '{pattern}': {prepare_hint(pattern)}")
+            where = "" if os.path.isabs(pattern) else f" in {os.getcwd()}"   # the folder it was looked for in
+            raise DataError(f"no files match -i/-j pattern '{pattern}'{where}: {prepare_hint(pattern)}")
         # open and validate every shard now, so that a bad file fails at startup and not hours into a run,
         # and what was validated is what the run reads (the module docstring says why)
         _room_for_open_files(len(paths))

@@ -1,5 +1,5 @@
 """What train_gpt2.py prints, in llm.c's words and layout: the configuration tables, the allocation lines,
-the per-step line and its throughput figures."""
+the per-step line and its throughput figures (and, after llm.c's fields, the time left)."""
 import math
 
 import numpy as np
@@ -77,31 +77,49 @@ def allocation_lines(model, optimizer, settings):
 
 
 class Throughput:
-    """llm.c's tok/s and MFU of each step. tok/s is the step's own rate at the first step, then an EMA
-    (0.95) of the rates, bias-corrected; MFU is the step's FLOPs per second against the device's peak,
-    None where the peak is not known (the CPU, a GPU missing from the table: llm.c prints -100% there)."""
+    """llm.c's tok/s and MFU of each step, and our ETA. tok/s is the step's own rate at the first step, then
+    an EMA (0.95) of the rates, bias-corrected; MFU is the step's FLOPs per second against the device's peak,
+    None where the peak is not known (the CPU, a GPU missing from the table: llm.c prints -100% there). The
+    ETA is an EMA of the step time, kept the same way, times the steps left."""
 
     def __init__(self, tokens_per_step, flops_per_step, peak_flops):
         self.tokens, self.flops, self.peak = tokens_per_step, flops_per_step, peak_flops
-        self.ema, self.steps, self.total_ms = 0.0, 0, 0.0
+        self.ema, self.ema_ms, self.first_ms, self.steps, self.total_ms = 0.0, 0.0, 0.0, 0, 0.0
 
     def update(self, ms):
         """-> (tok/s, MFU or None) for a step that took ms milliseconds."""
         tok_s = self.tokens / ms * 1000
         if self.steps > 0:   # llm.c leaves the first step (compilation, allocation) out of the average
             self.ema = 0.95 * self.ema + 0.05 * tok_s
+            self.ema_ms = 0.95 * self.ema_ms + 0.05 * ms
             tok_s = self.ema / (1 - 0.95 ** self.steps)
             self.total_ms += ms
+        else:
+            self.first_ms = ms
         self.steps += 1
         return tok_s, self.flops / (ms / 1000) / self.peak if self.peak else None
+
+    def eta_s(self, steps_left):
+        """Seconds that steps_left more steps take at the step time's EMA (after the first step: its time)."""
+        ms = self.ema_ms / (1 - 0.95 ** (self.steps - 1)) if self.steps > 1 else self.first_ms
+        return ms * steps_left / 1000
 
     def average_ms(self):
         """The mean step time after the first step, for llm.c's last line (None before two steps)."""
         return self.total_ms / (self.steps - 1) if self.steps > 1 else None
 
 
-def step_line(step, train_steps, result, lr, ms, mfu, tok_s, precision):
-    """llm.c's per-step line; step is 0-based and printed 1-based.
+def duration(seconds):
+    """A time as a person reads it: 42s, 3m07s, 2h05m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def step_line(step, train_steps, result, lr, ms, mfu, tok_s, precision, eta_s):
+    """llm.c's per-step line, then ours: the ETA of the steps left (Throughput.eta_s); step is 0-based and
+    printed 1-based.
 
     A value not known yet reads "n/a" where llm.c prints a number that looks like a bug: the z-scores
     over the first 128 steps, before their window fills (llm.c: "+nanz"), and the MFU where the device's
@@ -109,4 +127,5 @@ def step_line(step, train_steps, result, lr, ms, mfu, tok_s, precision):
     loss_z, norm_z = (f"{z:+.2f}z" if math.isfinite(z) else "z n/a" for z in (result.loss_z, result.norm_z))
     mfu = f"{100 * mfu:.1f}% {precision} MFU" if mfu is not None else f"{precision} MFU n/a"
     return (f"step {step + 1:4d}/{train_steps} | loss {result.loss:7.6f} ({loss_z})| "
-            f"norm {result.grad_norm:6.4f} ({norm_z})| lr {lr:.2e} | {ms:.2f} ms | {mfu} | {tok_s:.0f} tok/s")
+            f"norm {result.grad_norm:6.4f} ({norm_z})| lr {lr:.2e} | {ms:.2f} ms | {mfu} | {tok_s:.0f} tok/s"
+            f" | ETA {duration(eta_s)}")

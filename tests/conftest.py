@@ -14,12 +14,13 @@ from llm import formats
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train_gpt2.py")
 TINY = ["-e", "d2c64h4", "-b", "4", "-t", "32", "-l", "1e-3", "-s", "0", "-v", "1000", "-m", "2"]
-# llm.c's step line; a z-score before its 128-step window fills, and the MFU where the device's peak is
-# unknown, read "n/a"
+# llm.c's step line, then our ETA; a z-score before its 128-step window fills, and the MFU where the
+# device's peak is unknown, read "n/a"
 STEP_LINE = re.compile(r"^step +(\d+)/(\d+) \| loss (\d+\.\d{6}) \(([+-]\d+\.\d\dz|z n/a)\)\| "
                        r"norm (\d+\.\d{4}) \(([+-]\d+\.\d\dz|z n/a)\)\| lr (\d\.\d\de[+-]\d\d) \| "
                        r"(\d+\.\d\d) ms \| "
-                       r"(\d+\.\d% (?:fp32|bf16) MFU|(?:fp32|bf16) MFU n/a) \| (\d+) tok/s$")
+                       r"(\d+\.\d% (?:fp32|bf16) MFU|(?:fp32|bf16) MFU n/a) \| (\d+) tok/s"
+                       r" \| ETA (\d+s|\d+m\d\ds|\d+h\d\dm)$")
 
 
 MPIEXEC = shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable),
@@ -53,14 +54,23 @@ def env():
     return e
 
 
-def run_train(args, cwd, timeout=300, check=True, launcher=()):
-    """Run train_gpt2.py with `args` in `cwd`; return the CompletedProcess (stdout, stderr as text)."""
-    proc = subprocess.run([*launcher, sys.executable, TRAIN, *args], cwd=cwd, env=env(), capture_output=True,
+def run_train(args, cwd, timeout=300, check=True, launcher=(), train=TRAIN):
+    """Run train_gpt2.py (or its copy `train`) with `args` in `cwd`; return the CompletedProcess (stdout,
+    stderr as text)."""
+    proc = subprocess.run([*launcher, sys.executable, train, *args], cwd=cwd, env=env(), capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"train_gpt2.py {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def clone_trainer(directory):
+    """train_gpt2.py alone in `directory`, as in a fresh clone: the copy looks for the default files it does
+    not find in the current directory (data, model, tokenizer, HellaSwag) there, not in this repository.
+    -> its path."""
+    os.makedirs(directory, exist_ok=True)
+    return shutil.copy2(TRAIN, directory)
 
 
 def step_losses(stdout):

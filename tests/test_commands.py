@@ -4,11 +4,12 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 
 import pytest
 
-from llm import formats
+from llm import REQUIRED, formats
 from llm.config import GPT2Config
 from llm.weight_init import init_params
 from conftest import REPO, TINY, TRAIN, data_args, env
@@ -67,6 +68,48 @@ def handlers_installed(proc, timeout=60):
             return True
         time.sleep(0.02)
     return False
+
+
+@pytest.fixture(scope="module")
+def site_packages_but(tmp_path_factory):
+    """-> f(package): a folder that holds this interpreter's site-packages as links, all but `package`'s."""
+    purelib = sysconfig.get_paths()["purelib"]
+
+    def without(package):
+        folder = tmp_path_factory.mktemp(f"without_{package}")
+        for name in os.listdir(purelib):
+            if name.split("-")[0].split(".")[0] != package:   # numpy, numpy-2.4.6.dist-info, numpy.libs
+                os.symlink(os.path.join(purelib, name), folder / name)
+        return folder
+    return without
+
+
+@pytest.mark.parametrize("command, package", [(command, "tiktoken") for command in BAD_INPUT] +
+                         [("train_gpt2.py", package) for package in REQUIRED])
+def test_every_command_run_by_a_python_without_a_package_says_to_use_the_venv(command, package,
+                                                                              site_packages_but):
+    """The system's python instead of .venv/bin/python: one line, not a ModuleNotFoundError traceback.
+    python -S leaves site-packages out of sys.path, which then holds this one without `package`."""
+    args = BAD_INPUT[command][0]
+    args = [os.path.join(REPO, args[0]), *args[1:]] if args[0].endswith(".py") else args
+    proc = subprocess.run([sys.executable, "-S", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**env(), "PYTHONPATH": os.pathsep.join([REPO, str(site_packages_but(package))])})
+    assert proc.returncode == 1
+    assert proc.stderr == (f"error: {sys.executable} has no {package}: run the commands with .venv/bin/python "
+                           f"(`make setup` creates it)\n")
+
+
+@pytest.mark.parametrize("command", [command for command in BAD_INPUT
+                                     if command not in ("train_gpt2.py", "bench.torch_gpt2")])
+def test_every_commands_help_says_what_it_does_in_whole_sentences(command):
+    """The description under the usage, from the module's docstring (bench's once stopped mid-sentence).
+    train_gpt2.py's --help is llm.c's list of flags; bench.torch_gpt2 needs torch."""
+    args = BAD_INPUT[command][0]
+    args = [os.path.join(REPO, args[0])] if args[0].endswith(".py") else args[:2]
+    proc = python([*args, "--help"], cwd=REPO)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    description = proc.stdout.split("\n\n")[1]
+    assert description.rstrip().endswith("."), description
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from llm import checkpoint, formats
-from conftest import STEP_LINE, TINY, TRAIN, data_args, env, run_train, step_losses
+from conftest import STEP_LINE, TINY, TRAIN, clone_trainer, data_args, env, run_train, step_losses
 
 
 def test_step_lines_and_log_follow_llmc_formats(shards):
@@ -39,6 +39,19 @@ def test_resumed_run_prints_the_same_losses_bit_for_bit(shards):
     resumed = run_train(TINY + data_args() + ["-x", "6", "-n", "3", "-o", "ck", "-y", "1"], cwd=shards).stdout
     assert "resuming from checkpoint at step 3" in resumed
     assert len(full) == 6 and step_losses(resumed) == full[3:]
+
+
+def test_a_resumed_run_leaves_the_main_log_of_the_run_that_was_not_interrupted(shards):
+    """A resume measures the val loss of its checkpoint's step again, and after a crash redoes the steps
+    since that checkpoint: main.log keeps one line of each kind a step, as if nothing had stopped."""
+    args = TINY + data_args() + ["-x", "6", "-v", "2", "-n", "2", "-o", "ck"]
+    run_train(args, cwd=shards)
+    full = (shards / "ck" / "main.log").read_text()
+    assert full.count("s:2 tel:") == 1 and len(full.splitlines()) == 6 + 4   # 6 train lines, val at 0 2 4 6
+    for step in (4, 6):
+        checkpoint.delete(shards / "ck", step)   # as if it died after logging step 6, before its checkpoints
+    assert "resuming from checkpoint at step 2" in run_train(args + ["-y", "1"], cwd=shards).stdout
+    assert (shards / "ck" / "main.log").read_text() == full
 
 
 def test_killed_run_never_leaves_a_checkpoint_that_fails_to_load(shards):
@@ -141,7 +154,8 @@ def test_hellaswag_eval_runs_when_its_file_exists(shards):
 
 
 def test_hellaswag_flag_without_its_file_says_so(shards):
-    out = run_train(TINY + data_args() + ["-x", "1", "-h", "1"], cwd=shards).stdout
+    train = clone_trainer(shards / "clone")   # a repository without data/hellaswag
+    out = run_train(TINY + data_args() + ["-x", "1", "-h", "1"], cwd=shards, train=train).stdout
     assert "| run hellaswag         | no" in out and "python -m data.hellaswag" in out
 
 
