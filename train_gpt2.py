@@ -213,7 +213,7 @@ def build_model(settings, backend, comm):
     if source.endswith(".bin"):
         if not os.path.exists(source):
             raise FormatError(f"{source}: no such file: {WEIGHTS_HINT}; or train from scratch with -e d12")
-        config = formats.read_model_config(source)
+        config, _ = formats.read_model_config(source)
     else:
         config = GPT2Config.from_descriptor(source)
     B, T = settings.B, settings.T

@@ -73,14 +73,15 @@ def check_out(out):
     return sorted(set(names) & set(FILES))
 
 
-def hf_tensors(config, params, dtype):
+def hf_tensors(config, params, bfloat16=None):
     """model.safetensors' tensors, named as GPT2LMHeadModel.save_pretrained names them ("transformer."
-    first, no lm_head.weight: it is wte); bf16 as ml_dtypes' bfloat16, the numpy type safetensors writes."""
+    first, no lm_head.weight: it is wte); in fp32, or in bf16 given ml_dtypes' bfloat16, the numpy type
+    safetensors writes."""
     tensors = {}
     for name, (view, transposed) in hf_views(ParamViews(params, config), config).items():
         w = view.T if transposed else view
-        if dtype == "bf16":
-            w = formats.float32_to_bf16_bits(w).view(extra("ml_dtypes").bfloat16)
+        if bfloat16 is not None:
+            w = formats.float32_to_bf16_bits(w).view(bfloat16)
         tensors[PREFIX + name] = np.ascontiguousarray(w)
     return tensors
 
@@ -168,13 +169,15 @@ def main(argv):
     hub = extra("huggingface_hub") if args.push else None
     replaced = check_out(args.out)
     path = find_model(args.e)
-    tokenizer = Tokenizer(args.vocab)
-    config, params, version = formats.read_model(path)
+    config, version = formats.read_model_config(path)   # the header: what the model is, before any large read
     if config.vocab_size != GPT2_VOCAB:
         raise ExportError(f"{path}: vocab_size {config.vocab_size}, but the tokenizer files are GPT-2's, "
                           f"with {GPT2_VOCAB} tokens")
     dtype = args.dtype or formats.MODEL_VERSIONS[version]
-    tensors = hf_tensors(config, params, dtype)
+    bfloat16 = extra("ml_dtypes").bfloat16 if dtype == "bf16" else None
+    tokenizer = Tokenizer(args.vocab)
+    _, params, _ = formats.read_model(path)
+    tensors = hf_tensors(config, params, bfloat16)
     print(f"{path} (version {version}, {formats.MODEL_VERSIONS[version]}): L={config.num_layers}, "
           f"C={config.channels}, NH={config.num_heads}, maxT={config.max_seq_len}, V={config.vocab_size}")
     if replaced:

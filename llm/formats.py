@@ -309,9 +309,10 @@ def _model_config(path, header):
 
 
 def read_model_config(path):
-    """The config in a model file's header, without reading its parameters (to count the memory first)."""
+    """-> (config, version) from a model file's header, without reading its parameters (to check the model
+    and count the memory first)."""
     with open_llmc(path, MODEL_MAGIC, MODEL_VERSIONS) as (_, header, _):
-        return _model_config(path, header)
+        return _model_config(path, header), int(header[1])
 
 
 def read_model(path):
