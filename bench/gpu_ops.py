@@ -103,8 +103,15 @@ def main(argv):
         mm_bytes = (N * cin + cin * cout + N * cout) * s
         bench(f"matmul_forward {label}", lambda: be.matmul_forward(y, a, w, bias), mm_bytes,
               2 * N * cin * cout, per_step=count)
-        bench(f"matmul_backward {label}", lambda: be.matmul_backward(da, dw, dbias, dy, a, w), 2 * mm_bytes,
-              4 * N * cin * cout, per_step=count)
+        if label == "fcproj":   # as the model runs it: through the GELU, fc's bias and -r 1's recompute
+            pre, dbias_prev = act(B, T, cin), act(cin)
+            bench("matmul_gelu_backward fcproj",
+                  lambda: be.matmul_gelu_backward(da, dw, dbias, dy, a, w, pre, dbias_prev, True),
+                  2 * mm_bytes + 3 * N * cin * s, 4 * N * cin * cout, per_step=count)
+        else:   # fc's bias gradient comes from fcproj's backward
+            bench(f"matmul_backward {label}",
+                  lambda: be.matmul_backward(da, dw, None if label == "fc" else dbias, dy, a, w),
+                  2 * mm_bytes, 4 * N * cin * cout, per_step=count)
     # causal attention's useful work: half of the (T, T) products, 2 in the forward (S = Q K^T, O = P V) and
     # 2.5 times as much in the backward, as FlashAttention-2 counts; bytes as flash attention moves them
     # (qkv in, out out; then qkv, out and dout in, dqkv out), not the (T, T) matrices fp32 keeps
@@ -122,9 +129,8 @@ def main(argv):
     bench("layernorm_forward + residual",
           lambda: be.residual_layernorm_forward(res, out, mean, rstd, x, dx, w_ln, b_ln),
           4 * N * C * s, per_step=2 * L)
-    bench("gelu_forward", lambda: be.gelu_forward(h, dh), 2 * N * 4 * C * s, per_step=L)   # -r 1's recompute
-    bench("gelu_backward", lambda: be.gelu_backward(dh, h, h), 3 * N * 4 * C * s,
-          per_step=L if be.precision == "fp32" else 0)   # bf16: in the GEMM's epilogue
+    bench("gelu_forward", lambda: be.gelu_forward(h, dh), 2 * N * 4 * C * s)   # fp32's; bf16: in the GEMM
+    bench("gelu_backward", lambda: be.gelu_backward(dh, h, h), 3 * N * 4 * C * s)   # in matmul_gelu_backward
     bench("residual_forward", lambda: be.residual_forward(out, x, dx), 3 * N * C * s)   # fused above now
     bench("fused_classifier", lambda: be.fused_classifier(logits, losses, targets, V, 1.0 / N),
           2 * N * Vp * s, per_step=1)

@@ -214,14 +214,14 @@ class GPT2:
         for l in reversed(range(L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             ln1, ln2, fch_gelu = a.ln1_of(l), a.ln2_of(l), a.fch_gelu_of(l)
-            # dresidual = dloss/d residual3[l]: flows to fcproj's output and, unchanged, to residual2
-            if self.recompute >= 1:
-                be.gelu_forward(fch_gelu, a.fch[l])
+            # dresidual = dloss/d residual3[l]: flows to fcproj's output and, unchanged, to residual2.
+            # Back through fcproj and the GELU: dfch, and with it fc's bias gradient (dfch's column sums);
+            # with recompute the GELU's output, which fcproj's weight gradient needs, is made again first
             be.matmul_gelu_backward(a.dfch, g.fcprojw[l], g.fcprojb[l], a.dresidual, fch_gelu, p.fcprojw[l],
-                                    a.fch[l])
+                                    a.fch[l], g.fcb[l], recompute=self.recompute >= 1)
             if self.recompute >= 2:
                 be.layernorm_forward(ln2, a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l], p.ln2w[l], p.ln2b[l])
-            be.matmul_backward(a.dln, g.fcw[l], g.fcb[l], a.dfch, ln2, p.fcw[l])
+            be.matmul_backward(a.dln, g.fcw[l], None, a.dfch, ln2, p.fcw[l])   # fc's bias: done above
             be.layernorm_backward(a.dresidual, g.ln2w[l], g.ln2b[l], a.dln, a.residual2[l], p.ln2w[l],
                                   a.ln2_mean[l], a.ln2_rstd[l])
             # dresidual = dloss/d residual2[l]: flows to attproj's output and, unchanged, to residual

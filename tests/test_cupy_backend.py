@@ -156,9 +156,11 @@ def test_matmul_forward_and_backward(gpu, shape, layer):
     assert_close(gpu, compare(gpu, "matmul_backward", [dinp, dw, dbias, dout, inp, w], check, poison=[0]))
 
 
-def test_matmul_with_gelu_fused_forward_and_backward(gpu, shape):
-    """The fc layer's GEMM with bias and GELU in its epilogue, and the fcproj backward that applies GELU's
-    derivative in its epilogue, against the NumPy backend's matmul then gelu."""
+@pytest.mark.parametrize("recompute", [False, True])
+def test_matmul_with_gelu_fused_forward_and_backward(gpu, shape, recompute):
+    """The fc layer's GEMM with bias and GELU in its epilogue, and the fcproj backward whose one pass over
+    dfch applies GELU's derivative, sums fc's bias gradient and (recompute) writes the GELU's output
+    again, against the NumPy backend's matmul then gelu."""
     rng = np.random.default_rng(11)
     B, T, C = shape["B"], shape["T"], shape["C"]
     inp, w, bias = randn(rng, B, T, C), randn(rng, 4 * C, C, scale=C ** -0.5), randn(rng, 4 * C, scale=0.5)
@@ -166,11 +168,12 @@ def test_matmul_with_gelu_fused_forward_and_backward(gpu, shape):
     assert_close(gpu, compare(gpu, "matmul_gelu_forward", [out, gelu_out, inp, w, bias], [0, 1],
                               poison=[0, 1]))
     pre = randn(rng, B, T, 4 * C)
-    gelu_inp = REF_GELU(rounded(gpu, pre))
+    gelu_inp = np.zeros_like(pre) if recompute else REF_GELU(rounded(gpu, pre))
     dinp, dw, dbias = np.zeros((B, T, 4 * C), np.float32), randn(rng, C, 4 * C), randn(rng, C)
-    dout, w2 = randn(rng, B, T, C), randn(rng, C, 4 * C, scale=(4 * C) ** -0.5)
-    assert_close(gpu, compare(gpu, "matmul_gelu_backward", [dinp, dw, dbias, dout, gelu_inp, w2, pre],
-                              [0, 1, 2], poison=[0]))
+    dout, w2, dbias_prev = randn(rng, B, T, C), randn(rng, C, 4 * C, scale=(4 * C) ** -0.5), randn(rng, 4 * C)
+    args = [dinp, dw, dbias, dout, gelu_inp, w2, pre, dbias_prev, recompute]
+    assert_close(gpu, compare(gpu, "matmul_gelu_backward", args, [0, 1, 2, 4, 7],
+                              poison=[0, 4] if recompute else [0]))
 
 
 def run_attention(backend, qkv, dout, NH, dtype, poison=False):

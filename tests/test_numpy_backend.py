@@ -114,12 +114,17 @@ def test_matmul_gelu_forward_and_backward_equal_the_matmul_then_gelu(be, rng):
     np.testing.assert_array_equal(out, ref.matmul_forward(x, w, bias))
     np.testing.assert_array_equal(gelu_out, ref.gelu_forward(out))
     w2, dout, dw0, db0 = randn(rng, C, 4 * C), randn(rng, B, T, C), randn(rng, C, 4 * C), randn(rng, C)
-    dinp, dw, db = nans(B, T, 4 * C), dw0.copy(), db0.copy()
-    be.matmul_gelu_backward(dinp, dw, db, dout, gelu_out, w2, out)
     dgelu, dw_ref, db_ref = ref.matmul_backward(dout, gelu_out, w2, has_bias=True)
-    np.testing.assert_array_equal(dinp, ref.gelu_backward(dgelu, out))
-    np.testing.assert_array_equal(dw, dw0 + dw_ref)
-    np.testing.assert_array_equal(db, db0 + db_ref)
+    dfch = ref.gelu_backward(dgelu, out)
+    for recompute in (False, True):   # recompute writes gelu_out again before using it
+        dinp, dw, db, dbias_prev0 = nans(B, T, 4 * C), dw0.copy(), db0.copy(), randn(rng, 4 * C)
+        dbias_prev, given = dbias_prev0.copy(), nans(B, T, 4 * C) if recompute else gelu_out
+        be.matmul_gelu_backward(dinp, dw, db, dout, given, w2, out, dbias_prev, recompute)
+        np.testing.assert_array_equal(given, gelu_out)
+        np.testing.assert_array_equal(dinp, dfch)
+        np.testing.assert_array_equal(dw, dw0 + dw_ref)
+        np.testing.assert_array_equal(db, db0 + db_ref)
+        np.testing.assert_array_equal(dbias_prev, dbias_prev0 + dfch.reshape(-1, 4 * C).sum(axis=0))
 
 
 def test_attention_forward_writes_out_and_keeps_the_probabilities(be, rng):

@@ -40,8 +40,11 @@ its dinp is the residual stream's gradient, which already holds the skip connect
   matmul_backward(dinp, dw, dbias, dout, inp, w) dinp = dout @ w;  dw += dout^T @ inp;  dbias += sum dout
   matmul_gelu_forward(out, gelu_out, inp, w, bias)   matmul_forward, then gelu_out = gelu(out)
                                                  (one fused GEMM)
-  matmul_gelu_backward(dinp, dw, dbias, dout, inp, w, pre_gelu)   the matmul after a GELU: matmul_backward,
-                                                 then dinp *= gelu'(pre_gelu), inp = gelu(pre_gelu)
+  matmul_gelu_backward(dinp, dw, dbias, dout, inp, w, pre_gelu, dbias_prev, recompute)
+                                                 the matmul after a GELU, inp = gelu(pre_gelu): first, when
+                                                 recompute, inp = gelu(pre_gelu) is written; then
+                                                 matmul_backward, dinp *= gelu'(pre_gelu), and dbias_prev +=
+                                                 sum dinp (the bias gradient of the matmul that made pre_gelu)
   attention_saved_shape(B, T, NH)                (shape, dtype) of what attention keeps for backward: the
                                                  probabilities (B,NH,T,T), or flash attention's lse (B,NH,T)
   attention_forward(out, saved, qkv, NH)         qkv (B,T,3C) -> out (B,T,C), causal; saved: the kept buffer

@@ -159,19 +159,21 @@ class HopperFlashAttention(FlashAttention):
     """FlashAttention on sm_90a (kernels/flash_attention_hopper.cu): the same saved lse, D pre-pass and
     two-pass backward as FlashAttention, with every tile brought in by the copy engine through a tensor map
     and multiplied by wgmma. A block is one producer warpgroup and CONSUMERS consumer warpgroups, each
-    owning 64 rows; STAGES tiles are in flight between them. The kernels export the bytes of shared
+    owning 64 rows; STAGES tiles are in flight between them. The kernels are persistent: one block per SM,
+    each walking its share of the items (ROWS rows of one head). The kernels export the bytes of shared
     memory their layouts take, which the launch reads back."""
     name = "flash-hopper"
     CONSUMERS, STAGES, FORWARD_TILE, BACKWARD_TILE = 2, 3, 128, 64   # the fastest measured on an H200
+    GROUP_HEADS = 64   # items are ordered by row tile within groups of this many heads (the kernels say why)
     ROWS, COPY_ROWS = 64 * CONSUMERS, 64   # rows a block owns; rows the copy engine moves at once
 
-    def __init__(self, kernels, scratch):
+    def __init__(self, kernels, scratch, num_sms):
         super().__init__(kernels, scratch)
-        self.maps = TensorMaps()
+        self.maps, self.num_sms = TensorMaps(), num_sms
 
     def _hopper(self, name, hs):
         defines = dict(HS=hs, CONSUMERS=self.CONSUMERS, STAGES=self.STAGES, FORWARD_TILE=self.FORWARD_TILE,
-                       BACKWARD_TILE=self.BACKWARD_TILE)
+                       BACKWARD_TILE=self.BACKWARD_TILE, GROUP_HEADS=self.GROUP_HEADS)
         kernel = self.kernels.get("flash_attention_hopper", name, BF16, arch="sm_90a", **defines)
         shared = self.kernels.value("flash_attention_hopper", f"{name}_smem", BF16, arch="sm_90a", **defines)
         if kernel.max_dynamic_shared_size_bytes < shared:
@@ -179,8 +181,10 @@ class HopperFlashAttention(FlashAttention):
         return kernel, shared
 
     def _launch(self, name, hs, T, B, NH, args):
+        # persistent: one block per SM walks the blocks(T, ROWS) * B * NH items (the kernels' header says why)
         kernel, shared = self._hopper(name, hs)
-        kernel((blocks(T, self.ROWS), B * NH), (128 * (1 + self.CONSUMERS),), args, shared_mem=shared)
+        grid = min(self.num_sms, blocks(T, self.ROWS) * B * NH)
+        kernel((grid,), (128 * (1 + self.CONSUMERS),), args, shared_mem=shared)
 
     def forward(self, out, lse, qkv, NH):
         B, T, _ = qkv.shape
@@ -188,12 +192,13 @@ class HopperFlashAttention(FlashAttention):
         check_packs((out, qkv), hs=hs)
         qkv_map = self.maps.rows(qkv, hs, self.COPY_ROWS)
         self._launch("flash_forward", hs, T, B, NH,
-                     (out, lse, qkv_map, np.int32(T), np.int32(NH), np.float32(hs ** -0.5)))
+                     (out, lse, qkv_map, np.int32(T), np.int32(NH), np.int32(B * NH), np.float32(hs ** -0.5)))
 
     def backward(self, dqkv, dout, qkv, out, lse, NH):
         B, T, hs, D = self._rowsum(dqkv, dout, qkv, out, NH)
         dout_map = self.maps.rows(dout, hs, self.COPY_ROWS)
         qkv_map = self.maps.rows(qkv, hs, self.COPY_ROWS)
-        args = (dqkv, dout_map, qkv_map, lse, D, np.int32(T), np.int32(NH), np.float32(hs ** -0.5))
+        args = (dqkv, dout_map, qkv_map, lse, D, np.int32(T), np.int32(NH), np.int32(B * NH),
+                np.float32(hs ** -0.5))
         self._launch("flash_backward_dkv", hs, T, B, NH, args)
         self._launch("flash_backward_dq", hs, T, B, NH, args)

@@ -229,9 +229,9 @@ class Blas:
 
 
 class BlasLt:
-    """cuBLASLt's matmul through ctypes (CuPy wraps only cuBLAS): a GEMM whose epilogue adds a bias, applies
-    GELU and keeps its input (GELU_AUX_BIAS), or multiplies by GELU's derivative (DGELU), inside the GEMM
-    itself, so the Linear layers' bias and GELU cost no separate pass over memory (llm.c's gelu_fusion).
+    """cuBLASLt's matmul through ctypes (CuPy wraps only cuBLAS): a GEMM whose epilogue adds a bias, or adds
+    it, applies GELU and keeps its input (GELU_AUX_BIAS), inside the GEMM itself, so that the Linear layers'
+    bias and the forward's GELU cost no separate pass over memory (llm.c's gelu_fusion).
 
     lt.matmul(...) computes D = alpha op(A) op(B) + beta D, column-major (m x n), as Blas.gemm. A plan (the
     operation and the matrix layouts) is made once per shape. cuBLASLt's heuristic ranks up to CANDIDATES
@@ -242,10 +242,10 @@ class BlasLt:
 
     # enum values from cublasLt.h
     TRANSA, TRANSB, EPILOGUE, BIAS_POINTER, AUX_POINTER, AUX_LD = 3, 4, 7, 8, 11, 12
-    EPILOGUES = {"none": 1, "bias": 4, "gelu_aux_bias": 32 | 128 | 4, "dgelu": 64 | 128}
+    EPILOGUES = {"none": 1, "bias": 4, "gelu_aux_bias": 32 | 128 | 4}
     MAX_WORKSPACE, MIN_ALIGNMENTS = 1, (5, 6, 7, 8)   # preferences: workspace, A, B, C, D alignment in bytes
     WORKSPACE = 32 << 20
-    CANDIDATES, TIMED_RUNS = 16, 3
+    CANDIDATES, TIMED_ROUNDS = 16, 7
 
     class Heuristic(ctypes.Structure):   # cublasLtMatmulHeuristicResult_t
         _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t),
@@ -337,24 +337,26 @@ class BlasLt:
         return self.plans[key]
 
     def _choose(self, key, plan, A, B, D, beta):
-        """The fastest candidate algorithm of a plan, on this call's operands: each runs TIMED_RUNS times
-        between CUDA events after one warm-up run. A GEMM that accumulates (beta = 1, the weight gradients)
-        is timed into a scratch copy of its small output, so that the timing adds nothing to it."""
+        """The fastest candidate algorithm of a plan, on this call's operands: after a warm-up run of each,
+        TIMED_ROUNDS rounds run every candidate once, each between CUDA events, and the lowest median wins.
+        Round by round rather than candidate by candidate, so that a clock still ramping up or a warming
+        GPU favours none. A GEMM that accumulates (beta = 1, the weight gradients) is timed into a scratch
+        copy of its small output, so that the timing adds nothing to it."""
         desc, layouts, candidates, _ = plan
         name = repr(key[:8] + tuple(dtype.name for dtype in key[8:11]) + key[11:])
         if name not in self.choices or self.choices[name] >= len(candidates):
             out = D if beta == 0 else cupy.empty_like(D)
-            times = []
-            for algo in candidates:
-                self._run(desc, layouts, algo, A, B, out, 0.0)
-                start, end = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record()
-                for _ in range(self.TIMED_RUNS):
+            times = [[] for _ in candidates]
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            for r in range(1 + self.TIMED_ROUNDS):
+                for algo, runs in zip(candidates, times):
+                    start.record()
                     self._run(desc, layouts, algo, A, B, out, 0.0)
-                end.record()
-                end.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, end))
-            self.choices[name] = int(np.argmin(times))
+                    end.record()
+                    end.synchronize()
+                    if r:
+                        runs.append(cupy.cuda.get_elapsed_time(start, end))
+            self.choices[name] = int(np.argmin([np.median(runs) for runs in times]))
             self.choices_path.parent.mkdir(parents=True, exist_ok=True)
             partial = self.choices_path.with_suffix(f".{os.getpid()}.tmp")
             partial.write_text(json.dumps(self.choices, indent=0))
@@ -364,13 +366,12 @@ class BlasLt:
     def _pointers(self, epilogue):
         """The pointers an epilogue reads or writes, in the order (bias, aux); the others must stay NULL."""
         return {"none": (), "bias": (self.BIAS_POINTER,),
-                "gelu_aux_bias": (self.BIAS_POINTER, self.AUX_POINTER),
-                "dgelu": (self.AUX_POINTER,)}[epilogue]
+                "gelu_aux_bias": (self.BIAS_POINTER, self.AUX_POINTER)}[epilogue]
 
     def matmul(self, transa, transb, m, n, k, A, lda, B, ldb, D, ldc, beta=0.0, epilogue="none", bias=None,
                aux=None, aux_ld=0):
         """D = op(A) op(B) + beta D, then the epilogue: "bias" adds bias (m), "gelu_aux_bias" adds bias,
-        writes the sum to aux and its GELU to D, "dgelu" multiplies by GELU's derivative at aux."""
+        writes the sum to aux and its GELU to D."""
         pointers = [x for x in (bias, aux) if x is not None]
         alignments = tuple(min(256, x.data.ptr & -x.data.ptr) for x in (A, B, D, *pointers))
         key = (transa, transb, m, n, k, lda, ldb, ldc, A.dtype, B.dtype, D.dtype, epilogue, aux_ld,

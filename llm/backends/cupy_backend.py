@@ -41,7 +41,7 @@ class CupyBackend:
             from .cudnn_attention import CudnnAttention
             self.attention = CudnnAttention()
         elif device.compute_capability == "90":   # Hopper: wgmma and the copy engine
-            self.attention = HopperFlashAttention(self.kernels, self.scratch)
+            self.attention = HopperFlashAttention(self.kernels, self.scratch, self.num_sms)
         else:
             self.attention = FlashAttention(self.kernels, self.scratch)
         # fp32's attention calls cuBLAS through CuPy, which refuses to be recorded: graphs in bf16 only
@@ -181,8 +181,8 @@ class CupyBackend:
         self._add_partial_sums(db, partial.reshape(-1)[C:], grid, 2 * C)
 
     # ---------------------------------------------------------------- matmul
-    # Through cuBLASLt (cuda.py), whose epilogues add the bias, and in bf16 apply GELU or its derivative,
-    # inside the GEMM. In fp32, the checking precision, GELU stays our own kernel, exactly the reference's.
+    # Through cuBLASLt (cuda.py), whose epilogues add the bias, and in bf16 apply GELU, inside the GEMM. In
+    # fp32, the checking precision, GELU stays our own kernel, exactly the reference's.
 
     def matmul_forward(self, out, inp, w, bias):
         # out (N, OC) = inp (N, C) @ w^T + bias, w (OC, C); column-major: out^T = op_T(w) inp^T
@@ -207,33 +207,44 @@ class CupyBackend:
         OC, C = w.shape
         N = inp.size // C
         self.lt.matmul("N", "N", C, N, OC, w, C, dout, OC, dinp, C)       # dinp^T = w^T dout^T
-        self._weight_gradients(dw, dbias, dout, inp)
+        self._bias_gradient(dbias, dout)
+        self._weight_gradient(dw, dout, inp)
 
-    def matmul_gelu_backward(self, dinp, dw, dbias, dout, inp, w, pre_gelu):
-        # the layer after a GELU: dinp = gelu'(pre_gelu) * (dout @ w), its derivative applied by the epilogue
-        if self.dtype != BF16:
-            self.matmul_backward(dinp, dw, dbias, dout, inp, w)
-            self.gelu_backward(dinp, pre_gelu, dinp)
-            return
+    def matmul_gelu_backward(self, dinp, dw, dbias, dout, inp, w, pre_gelu, dbias_prev, recompute):
+        # the layer after a GELU (fcproj): dinp = gelu'(pre_gelu) * (dout @ w). One pass of bias_backward_partial
+        # (matmul.cu) applies GELU's derivative, sums dinp's columns (dbias_prev, the bias gradient of the
+        # layer that made pre_gelu: fc) and, on recompute, writes inp = gelu(pre_gelu) for the weight gradient.
+        # cuBLASLt's DGELU epilogue made the GEMM slower by more than that pass takes (0.551 against 0.399 ms
+        # at d12, B=64), and its DGELU_BGRAD three times slower.
         OC, C = w.shape
         N = inp.size // C
-        self.lt.matmul("N", "N", C, N, OC, w, C, dout, OC, dinp, C, epilogue="dgelu", aux=pre_gelu, aux_ld=C)
-        self._weight_gradients(dw, dbias, dout, inp)
+        self.lt.matmul("N", "N", C, N, OC, w, C, dout, OC, dinp, C)
+        self._bias_gradient(dbias_prev, dinp, pre_gelu, inp if recompute else None)
+        self._bias_gradient(dbias, dout)
+        self._weight_gradient(dw, dout, inp)
 
-    def _weight_gradients(self, dw, dbias, dout, inp):
-        # dw^T += inp^T dout; dbias += dout's column sums, by our own kernel (matmul.cu): cuBLASLt's epilogue
-        # for it (BGRADB) made each weight-gradient GEMM slower by more than the kernel takes
+    def _weight_gradient(self, dw, dout, inp):
+        # dw^T += inp^T dout
         OC, C = dw.shape
         N = inp.size // C
         self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)
+
+    def _bias_gradient(self, dbias, dout, pre_gelu=None, gelu_out=None):
+        # dbias += dout's column sums, by our own kernel (matmul.cu), through a GELU when pre_gelu is given:
+        # cuBLASLt's epilogue for it (BGRADB) made each weight-gradient GEMM slower by more than the kernel takes
+        if dbias is None and pre_gelu is None:
+            return
+        OC = dout.shape[-1]
+        N = dout.size // OC
+        check_packs((dout, *(x for x in (pre_gelu, gelu_out) if x is not None)), OC=OC)
+        pack = 16 // dout.dtype.itemsize
+        col_blocks = blocks(OC // pack, 32)
+        row_blocks = max(1, min(blocks(N, 8), blocks(4 * self.num_sms, col_blocks)))
+        partial = self._buffer("bias_partial", (row_blocks, OC), FP32)
+        self._kernel("matmul", "bias_backward_partial")((col_blocks, row_blocks), (32, 8),
+                                                        (partial, dout, np.int32(N), np.int32(OC), pre_gelu,
+                                                         gelu_out))
         if dbias is not None:
-            check_packs((dout,), OC=OC)
-            pack = 16 // dout.dtype.itemsize
-            col_blocks = blocks(OC // pack, 32)
-            row_blocks = max(1, min(blocks(N, 8), blocks(4 * self.num_sms, col_blocks)))
-            partial = self._buffer("bias_partial", (row_blocks, OC), FP32)
-            self._kernel("matmul", "bias_backward_partial")((col_blocks, row_blocks), (32, 8),
-                                                            (partial, dout, np.int32(N), np.int32(OC)))
             self._add_partial_sums(dbias, partial, row_blocks, OC)
 
     # ---------------------------------------------------------------- attention

@@ -157,9 +157,13 @@ class NumpyBackend:
         self.matmul_forward(out, inp, w, bias)
         self.gelu_forward(gelu_out, out)
 
-    def matmul_gelu_backward(self, dinp, dw, dbias, dout, inp, w, pre_gelu):
+    def matmul_gelu_backward(self, dinp, dw, dbias, dout, inp, w, pre_gelu, dbias_prev, recompute):
+        if recompute:
+            self.gelu_forward(inp, pre_gelu)
         self.matmul_backward(dinp, dw, dbias, dout, inp, w)
         self.gelu_backward(dinp, pre_gelu, dinp)
+        if dbias_prev is not None:
+            dbias_prev += dinp.reshape(-1, dinp.shape[-1]).sum(axis=0)   # as reference/matmul.py sums
 
     def attention_saved_shape(self, B, T, NH):
         return (B, NH, T, T), np.float32     # the softmax probabilities att

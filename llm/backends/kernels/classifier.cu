@@ -16,6 +16,7 @@ extern "C" __global__ void fused_classifier(floatX* logits, float* losses, const
     const int target = targets[blockIdx.x];
     const float target_logit = (float)x[target];  // read before any thread overwrites the row
     float m = LOWEST, s = 0.0f;
+    #pragma unroll 4   // several loads in flight per thread
     for (int c = threadIdx.x * PACK; c < V; c += blockDim.x * PACK)
         softmax_fold_pack(&m, &s, load_pack(x + c), V - c);
     warp_softmax_combine(&m, &s);
@@ -31,6 +32,7 @@ extern "C" __global__ void fused_classifier(floatX* logits, float* losses, const
     if (threadIdx.x == 0) losses[blockIdx.x] = logf(s) + m - target_logit;
     if (!write_dlogits) return;
     const float inv_s = 1.0f / s;
+    #pragma unroll 4
     for (int c = threadIdx.x * PACK; c < Vp; c += blockDim.x * PACK) {
         Pack p = load_pack(x + c);
         for (int i = 0; i < PACK; i++) {

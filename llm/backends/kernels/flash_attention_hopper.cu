@@ -80,11 +80,17 @@ __device__ __forceinline__ void tma_load(bf16* tile, const TensorMap* map, int c
                  :: "r"(smem(tile)), "l"(map), "r"(column), "r"(t), "r"(b), "r"(smem(bar)) : "memory");
 }
 
-template <int REGISTERS> __device__ __forceinline__ void registers_down() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(REGISTERS));
+// setmaxnreg: the producer warpgroup gives registers up, the consumers take what the SM's 65,536 leave
+// (a multiple of 8): 232 each with two consumer warpgroups. The producers walk the persistent loop's items
+// with 40 without spilling (24 spilled in the dK, dV kernel, whose producer warp also loads lse and D).
+constexpr int PRODUCER_REGISTERS = 40;
+constexpr int CONSUMER_SHARE = (65536 - 128 * PRODUCER_REGISTERS) / (128 * CONSUMERS) / 8 * 8;
+constexpr int CONSUMER_REGISTERS = CONSUMER_SHARE < 256 ? CONSUMER_SHARE : 256;
+__device__ __forceinline__ void registers_down() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGISTERS));
 }
-template <int REGISTERS> __device__ __forceinline__ void registers_up() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGISTERS));
+__device__ __forceinline__ void registers_up() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(CONSUMER_REGISTERS));
 }
 
 // A wgmma descriptor of a tile in shared memory: bits 0-13 its address / 16, 16-29 the leading byte offset
@@ -197,108 +203,147 @@ __device__ __forceinline__ void wait_empty(unsigned long long* empty, int j) {
     if (j >= STAGES) mbar_wait(&empty[j % STAGES], (j / STAGES - 1) & 1);
 }
 
-__device__ __forceinline__ void release(unsigned long long* empty, int j) {
+// One arrival per warp on bar, once all its lanes are done with what bar guards.
+__device__ __forceinline__ void warp_arrive(unsigned long long* bar) {
     __syncwarp();
-    if (threadIdx.x % 32 == 0) mbar_arrive(&empty[j % STAGES]);
+    if (threadIdx.x % 32 == 0) mbar_arrive(bar);
+}
+
+__device__ __forceinline__ void release(unsigned long long* empty, int j) { warp_arrive(&empty[j % STAGES]); }
+
+// The kernels are persistent: one block per SM (the launcher's grid) walks the work items, each ROWS rows of
+// one head, with a stride of gridDim.x, so that while a block's consumers finish one item its producer
+// already loads the next one's tiles: a block's start-up (barriers, the first copies' latency) is paid once
+// per SM, not once per item. The ring's position g runs on from item to item, and the rows every item keeps
+// (Q, or K and V) have a buffer of their own with two barriers, `held_full` and `held_empty`, turned once
+// per item. Items come in groups of GROUP_HEADS heads, within a group by row tile, the tiles with the most
+// causal work first, so that a head's streamed tiles are read again from L2 by its next row tile: at T =
+// 1024 and hs = 64, 64 heads' K and V (or Q and dO) are 16 MB, and L2 holds 50. Measured in the d12 B=64
+// training step on an H200, the three kernels took 19.1 ms with groups of 64 heads (19.3 with 4, 21.1 with
+// 16, 20.4 with all heads as one group), against 21.8 for one block per item, not persistent.
+#ifndef GROUP_HEADS
+#define GROUP_HEADS 64
+#endif
+struct Item {
+    int row0, b, h, bh;
+};
+__device__ __forceinline__ Item work_item(int it, int heads, int NH, int row_tiles, bool last_rows_first) {
+    const int group = it / (GROUP_HEADS * row_tiles), in_group = it % (GROUP_HEADS * row_tiles);
+    const int group_heads = min(GROUP_HEADS, heads - group * GROUP_HEADS);
+    const int tile = in_group / group_heads, bh = group * GROUP_HEADS + in_group % group_heads;
+    return {(last_rows_first ? row_tiles - 1 - tile : tile) * ROWS, bh / NH, bh % NH, bh};
 }
 
 // ---- forward -------------------------------------------------------------------------------------------
-// Grid (T / ROWS query tiles, B * NH), THREADS threads; the last query tiles, which see the most keys, start
-// first. Consumer c owns query rows q0 + 64c ...; it walks the key tiles up to its diagonal as flash_forward
-// of flash_attention.cu does, with S = Q K^T and O += P V each a few wgmma instructions, and one step out of
+// Items are ROWS query rows of one head, the last rows (which see the most keys) first. Consumer c owns
+// query rows row0 + 64c ...; it walks the key tiles up to its diagonal as flash_forward of
+// flash_attention.cu does, with S = Q K^T and O += P V each a few wgmma instructions, and one step out of
 // phase: S_j goes to the tensor cores before P_{j-1} V_{j-1}, so that the softmax of S_j (exponentials, on
 // the special-function units) runs while the tensor cores still work on P V. A tile past a warpgroup's
 // diagonal is only waited for and released, so that the producer's ring keeps turning.
 struct ForwardSmem {
     bf16 q[ROWS * HS], k[STAGES][FORWARD_TILE * HS], v[STAGES][FORWARD_TILE * HS];
-    unsigned long long q_full, full[STAGES], empty[STAGES];
+    unsigned long long held_full, held_empty, full[STAGES], empty[STAGES];
 };
 extern "C" __device__ int flash_forward_smem = sizeof(ForwardSmem) + 1024;
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, int T, int NH, float scale) {
+flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, int T, int NH, int heads,
+              float scale) {
     ForwardSmem& sm = align_smem<ForwardSmem>();
-    const int C = NH * HS, q0 = (gridDim.x - 1 - blockIdx.x) * ROWS, b = blockIdx.y / NH, h = blockIdx.y % NH;
-    const int tiles = min(q0 + ROWS - 1, T - 1) / FORWARD_TILE + 1;   // key tiles up to the block's diagonal
+    const int C = NH * HS, row_tiles = (T + ROWS - 1) / ROWS, items = row_tiles * heads;
     if (threadIdx.x == 0) {
-        mbar_init(&sm.q_full, 1);
+        mbar_init(&sm.held_full, 1);
+        mbar_init(&sm.held_empty, 4 * CONSUMERS);
         init_ring(sm.full, sm.empty, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");   // visible to the copy engine
     }
     __syncthreads();
 
     if (warpgroup() == 0) {   // the producer
-        registers_down<24>();
-        if (threadIdx.x == 0) {
-            mbar_arrive_expect_bytes(&sm.q_full, ROWS * HS * 2);
-            for (int r = 0; r < ROWS; r += COPY_ROWS)
-                tma_load(sm.q + r * HS, &qkv_map, h * HS, q0 + r, b, &sm.q_full);
-            for (int j = 0; j < tiles; j++) {
-                const int s = j % STAGES;
-                wait_empty(sm.empty, j);
-                mbar_arrive_expect_bytes(&sm.full[s], 2 * FORWARD_TILE * HS * 2);
-                for (int r = 0; r < FORWARD_TILE; r += COPY_ROWS) {
-                    tma_load(sm.k[s] + r * HS, &qkv_map, C + h * HS, j * FORWARD_TILE + r, b,
-                             &sm.full[s]);
-                    tma_load(sm.v[s] + r * HS, &qkv_map, 2 * C + h * HS, j * FORWARD_TILE + r, b,
-                             &sm.full[s]);
+        registers_down();
+        if (threadIdx.x == 0)
+            for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
+                const Item w = work_item(it, heads, NH, row_tiles, true);
+                const int tiles = min(w.row0 + ROWS - 1, T - 1) / FORWARD_TILE + 1;
+                if (n > 0) mbar_wait(&sm.held_empty, (n - 1) & 1);   // the last item's Q is in registers
+                mbar_arrive_expect_bytes(&sm.held_full, ROWS * HS * 2);
+                for (int r = 0; r < ROWS; r += COPY_ROWS)
+                    tma_load(sm.q + r * HS, &qkv_map, w.h * HS, w.row0 + r, w.b, &sm.held_full);
+                for (int j = 0; j < tiles; j++, g++) {
+                    const int s = g % STAGES;
+                    wait_empty(sm.empty, g);
+                    mbar_arrive_expect_bytes(&sm.full[s], 2 * FORWARD_TILE * HS * 2);
+                    for (int r = 0; r < FORWARD_TILE; r += COPY_ROWS) {
+                        tma_load(sm.k[s] + r * HS, &qkv_map, C + w.h * HS, j * FORWARD_TILE + r, w.b,
+                                 &sm.full[s]);
+                        tma_load(sm.v[s] + r * HS, &qkv_map, 2 * C + w.h * HS, j * FORWARD_TILE + r, w.b,
+                                 &sm.full[s]);
+                    }
                 }
             }
-        }
         return;
     }
-    registers_up<240>();
+    registers_up();
     const int c = warpgroup() - 1, warp = warp_in_group();
-    const int first_row = q0 + 64 * c, row0 = first_row + 16 * warp;
-    const int my_tiles = min(tiles, (first_row + 63) / FORWARD_TILE + 1);   // up to this warpgroup's diagonal
     const float scale_log2 = scale * LOG2E;
-    mbar_wait(&sm.q_full, 0);
-    unsigned qf[HS / 16][4];
-    load_rows(qf, sm.q, 64 * c + 16 * warp);
+    for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
+        const Item w = work_item(it, heads, NH, row_tiles, true);
+        const int tiles = min(w.row0 + ROWS - 1, T - 1) / FORWARD_TILE + 1;   // up to the item's diagonal
+        const int first_row = w.row0 + 64 * c, row0 = first_row + 16 * warp;
+        const int my_tiles = min(tiles, (first_row + 63) / FORWARD_TILE + 1);   // to this warpgroup's
+        mbar_wait(&sm.held_full, n & 1);
+        unsigned qf[HS / 16][4];
+        load_rows(qf, sm.q, 64 * c + 16 * warp);
+        warp_arrive(&sm.held_empty);
 
-    float o[HS / 8][4] = {}, m[2] = {-INF, -INF}, l[2] = {0.0f, 0.0f}, s[FORWARD_TILE / 8][4], rescale[2];
-    unsigned p[FORWARD_TILE / 16][4];   // P_{j-1}, rounded to bf16 fragments
-    mbar_wait(&sm.full[0], 0);          // S_0 alone
-    wgmma_fence();
-    rows_times_tile_t<FORWARD_TILE>(s, qf, sm.k[0]);
-    wgmma_commit();
-    wgmma_wait();
-    softmax_step<FORWARD_TILE>(s, m, l, rescale, row0, 0, scale_log2);
-    to_fragments<FORWARD_TILE>(p, s);
-    for (int j = 1; j < my_tiles; j++) {
-        mbar_wait(&sm.full[j % STAGES], (j / STAGES) & 1);
+        float o[HS / 8][4] = {}, m[2] = {-INF, -INF}, l[2] = {0.0f, 0.0f}, s[FORWARD_TILE / 8][4], rescale[2];
+        unsigned p[FORWARD_TILE / 16][4];   // P_{j-1}, rounded to bf16 fragments
+        mbar_wait(&sm.full[g % STAGES], (g / STAGES) & 1);          // S_0 alone
         wgmma_fence();
-        rows_times_tile_t<FORWARD_TILE>(s, qf, sm.k[j % STAGES]);        // S_j = Q K_j^T
+        rows_times_tile_t<FORWARD_TILE>(s, qf, sm.k[g % STAGES]);
         wgmma_commit();
-        fragments_times_tile<FORWARD_TILE>(o, p, sm.v[(j - 1) % STAGES]);   // O += P_{j-1} V_{j-1}
-        wgmma_commit();
-        wgmma_wait<1>();   // S_j is done; its softmax runs while P V still does
-        softmax_step<FORWARD_TILE>(s, m, l, rescale, row0, j * FORWARD_TILE, scale_log2);
         wgmma_wait();
-        release(sm.empty, j - 1);
-        rescale_rows(o, rescale);   // O to S_j's max, now that P V no longer writes it
+        softmax_step<FORWARD_TILE>(s, m, l, rescale, row0, 0, scale_log2);
         to_fragments<FORWARD_TILE>(p, s);
+        for (int j = 1; j < my_tiles; j++) {
+            const int ring = g + j;
+            mbar_wait(&sm.full[ring % STAGES], (ring / STAGES) & 1);
+            wgmma_fence();
+            rows_times_tile_t<FORWARD_TILE>(s, qf, sm.k[ring % STAGES]);            // S_j = Q K_j^T
+            wgmma_commit();
+            fragments_times_tile<FORWARD_TILE>(o, p, sm.v[(ring - 1) % STAGES]);   // O += P_{j-1} V_{j-1}
+            wgmma_commit();
+            wgmma_wait<1>();   // S_j is done; its softmax runs while P V still does
+            softmax_step<FORWARD_TILE>(s, m, l, rescale, row0, j * FORWARD_TILE, scale_log2);
+            wgmma_wait();
+            release(sm.empty, ring - 1);
+            rescale_rows(o, rescale);   // O to S_j's max, now that P V no longer writes it
+            to_fragments<FORWARD_TILE>(p, s);
+        }
+        wgmma_fence();
+        fragments_times_tile<FORWARD_TILE>(o, p, sm.v[(g + my_tiles - 1) % STAGES]);
+        wgmma_commit();
+        wgmma_wait();
+        release(sm.empty, g + my_tiles - 1);
+        for (int j = my_tiles; j < tiles; j++) {   // past the diagonal: let the producer reuse the stage
+            mbar_wait(&sm.full[(g + j) % STAGES], ((g + j) / STAGES) & 1);
+            release(sm.empty, g + j);
+        }
+        g += tiles;
+        float inv_l[2];
+        finish_softmax(lse + (long long)w.bh * T, row0, T, m, l, inv_l);
+        store_rows(out + (long long)w.b * T * C + w.h * HS, C, row0, T, o, inv_l);
     }
-    wgmma_fence();
-    fragments_times_tile<FORWARD_TILE>(o, p, sm.v[(my_tiles - 1) % STAGES]);
-    wgmma_commit();
-    wgmma_wait();
-    release(sm.empty, my_tiles - 1);
-    for (int j = my_tiles; j < tiles; j++) {   // past the diagonal: let the producer reuse the stage
-        mbar_wait(&sm.full[j % STAGES], (j / STAGES) & 1);
-        release(sm.empty, j);
-    }
-    float inv_l[2];
-    finish_softmax(lse + (long long)blockIdx.y * T, row0, T, m, l, inv_l);
-    store_rows(out + (long long)b * T * C + h * HS, C, row0, T, o, inv_l);
 }
 
 // ---- backward ------------------------------------------------------------------------------------------
 // D = rowsum(dO * out) comes from flash_attention.cu's flash_backward_dot.
 //
-// dK and dV of one block of ROWS keys. Grid (T / ROWS, B * NH). Consumer c owns keys k0 + 64c ... and keeps
-// its rows of K and V in registers; the producer streams the query tiles from the diagonal down (Q and dO by
-// the copy engine, their lse and D by the producer warp's own loads). Per tile, as flash_backward_dkv:
+// dK and dV of items of ROWS keys, the first keys (which see the most queries) first. Consumer c owns keys
+// row0 + 64c ... and keeps its rows of K and V in registers; the producer streams the query tiles from the
+// diagonal down (Q and dO by the copy engine, their lse and D by the producer warp's own loads). Per tile,
+// as flash_backward_dkv:
 //   S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T - lse), dS^T = P^T * (dP^T - D), dV += P^T dO, dK += dS^T Q.
 // The backward's products are not put out of phase as the forward's: measured on an H200, that made both
 // backward kernels slower (1.18 against 1.13 ms a layer at GPT-2 124M, B=64); the two consumer warpgroups
@@ -306,164 +351,182 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
 struct DkvSmem {
     bf16 k[ROWS * HS], v[ROWS * HS], q[STAGES][BACKWARD_TILE * HS], dout[STAGES][BACKWARD_TILE * HS];
     float lse[STAGES][BACKWARD_TILE], D[STAGES][BACKWARD_TILE];
-    unsigned long long kv_full, full[STAGES], empty[STAGES];
+    unsigned long long held_full, held_empty, full[STAGES], empty[STAGES];
 };
 extern "C" __device__ int flash_backward_dkv_smem = sizeof(DkvSmem) + 1024;
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_backward_dkv(bf16* dqkv, const __grid_constant__ TensorMap dout_map,
                    const __grid_constant__ TensorMap qkv_map,
-                   const float* lse, const float* D, int T, int NH, float scale) {
+                   const float* lse, const float* D, int T, int NH, int heads, float scale) {
     DkvSmem& sm = align_smem<DkvSmem>();
-    const int C = NH * HS, k0 = blockIdx.x * ROWS, b = blockIdx.y / NH, h = blockIdx.y % NH;
-    const int first = k0 / BACKWARD_TILE, tiles = (T + BACKWARD_TILE - 1) / BACKWARD_TILE;
+    const int C = NH * HS, row_tiles = (T + ROWS - 1) / ROWS, items = row_tiles * heads;
+    const int tiles = (T + BACKWARD_TILE - 1) / BACKWARD_TILE;
     if (threadIdx.x == 0) {
-        mbar_init(&sm.kv_full, 1);
+        mbar_init(&sm.held_full, 1);
+        mbar_init(&sm.held_empty, 4 * CONSUMERS);
         init_ring(sm.full, sm.empty, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
     if (warpgroup() == 0) {   // the producer: warp 0
-        registers_down<24>();
+        registers_down();
         if (threadIdx.x >= 32) return;
         const int lane = threadIdx.x;
-        if (lane == 0) {
-            mbar_arrive_expect_bytes(&sm.kv_full, 2 * ROWS * HS * 2);
-            for (int r = 0; r < ROWS; r += COPY_ROWS) {
-                tma_load(sm.k + r * HS, &qkv_map, C + h * HS, k0 + r, b, &sm.kv_full);
-                tma_load(sm.v + r * HS, &qkv_map, 2 * C + h * HS, k0 + r, b, &sm.kv_full);
-            }
-        }
-        const float* lse_row = lse + (long long)blockIdx.y * T;
-        const float* D_row = D + (long long)blockIdx.y * T;
-        for (int i = first; i < tiles; i++) {
-            const int s = (i - first) % STAGES, t0 = i * BACKWARD_TILE;
-            wait_empty(sm.empty, i - first);
-            // rows past T read as lse = 0 and D = 0: their dO and Q are 0 too, so they add nothing
-            for (int r = lane; r < BACKWARD_TILE; r += 32) {
-                sm.lse[s][r] = t0 + r < T ? lse_row[t0 + r] : 0.0f;
-                sm.D[s][r] = t0 + r < T ? D_row[t0 + r] : 0.0f;
-            }
-            __syncwarp();   // the lanes' stores come before lane 0's arrival, which publishes them
+        for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
+            const Item w = work_item(it, heads, NH, row_tiles, false);   // the first keys see the most queries
             if (lane == 0) {
-                mbar_arrive_expect_bytes(&sm.full[s], 2 * BACKWARD_TILE * HS * 2);
-                tma_load(sm.q[s], &qkv_map, h * HS, t0, b, &sm.full[s]);
-                tma_load(sm.dout[s], &dout_map, h * HS, t0, b, &sm.full[s]);
+                if (n > 0) mbar_wait(&sm.held_empty, (n - 1) & 1);
+                mbar_arrive_expect_bytes(&sm.held_full, 2 * ROWS * HS * 2);
+                for (int r = 0; r < ROWS; r += COPY_ROWS) {
+                    tma_load(sm.k + r * HS, &qkv_map, C + w.h * HS, w.row0 + r, w.b, &sm.held_full);
+                    tma_load(sm.v + r * HS, &qkv_map, 2 * C + w.h * HS, w.row0 + r, w.b, &sm.held_full);
+                }
+            }
+            const float* lse_row = lse + (long long)w.bh * T;
+            const float* D_row = D + (long long)w.bh * T;
+            for (int i = w.row0 / BACKWARD_TILE; i < tiles; i++, g++) {
+                const int s = g % STAGES, t0 = i * BACKWARD_TILE;
+                wait_empty(sm.empty, g);
+                // rows past T read as lse = 0 and D = 0: their dO and Q are 0 too, so they add nothing
+                for (int r = lane; r < BACKWARD_TILE; r += 32) {
+                    sm.lse[s][r] = t0 + r < T ? lse_row[t0 + r] : 0.0f;
+                    sm.D[s][r] = t0 + r < T ? D_row[t0 + r] : 0.0f;
+                }
+                __syncwarp();   // the lanes' stores come before lane 0's arrival, which publishes them
+                if (lane == 0) {
+                    mbar_arrive_expect_bytes(&sm.full[s], 2 * BACKWARD_TILE * HS * 2);
+                    tma_load(sm.q[s], &qkv_map, w.h * HS, t0, w.b, &sm.full[s]);
+                    tma_load(sm.dout[s], &dout_map, w.h * HS, t0, w.b, &sm.full[s]);
+                }
             }
         }
         return;
     }
-    registers_up<240>();
+    registers_up();
     const int c = warpgroup() - 1, warp = warp_in_group();
-    const int first_key = k0 + 64 * c, key0 = first_key + 16 * warp;
-    mbar_wait(&sm.kv_full, 0);
-    unsigned kf[HS / 16][4], vf[HS / 16][4];
-    load_rows(kf, sm.k, 64 * c + 16 * warp);
-    load_rows(vf, sm.v, 64 * c + 16 * warp);
+    for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
+        const Item w = work_item(it, heads, NH, row_tiles, false);
+        const int first = w.row0 / BACKWARD_TILE, first_key = w.row0 + 64 * c, key0 = first_key + 16 * warp;
+        mbar_wait(&sm.held_full, n & 1);
+        unsigned kf[HS / 16][4], vf[HS / 16][4];
+        load_rows(kf, sm.k, 64 * c + 16 * warp);
+        load_rows(vf, sm.v, 64 * c + 16 * warp);
+        warp_arrive(&sm.held_empty);
 
-    float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
-    for (int i = first; i < tiles; i++) {
-        const int j = i - first, s = j % STAGES, t0 = i * BACKWARD_TILE;
-        mbar_wait(&sm.full[s], (j / STAGES) & 1);
-        if (t0 + BACKWARD_TILE - 1 >= first_key) {
-            float p[BACKWARD_TILE / 8][4], dp[BACKWARD_TILE / 8][4];
-            wgmma_fence();
-            rows_times_tile_t<BACKWARD_TILE>(p, kf, sm.q[s]);
-            rows_times_tile_t<BACKWARD_TILE>(dp, vf, sm.dout[s]);
-            wgmma_commit();
-            wgmma_wait();
-            column_gradients<BACKWARD_TILE>(p, dp, key0, t0, scale, sm.lse[s], sm.D[s]);
-            unsigned pf[BACKWARD_TILE / 16][4], dsf[BACKWARD_TILE / 16][4];
-            to_fragments<BACKWARD_TILE>(pf, p);
-            to_fragments<BACKWARD_TILE>(dsf, dp);
-            wgmma_fence();
-            fragments_times_tile<BACKWARD_TILE>(dv, pf, sm.dout[s]);
-            fragments_times_tile<BACKWARD_TILE>(dk, dsf, sm.q[s]);
-            wgmma_commit();
-            wgmma_wait();
+        float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
+        for (int i = first; i < tiles; i++, g++) {
+            const int s = g % STAGES, t0 = i * BACKWARD_TILE;
+            mbar_wait(&sm.full[s], (g / STAGES) & 1);
+            if (t0 + BACKWARD_TILE - 1 >= first_key) {
+                float p[BACKWARD_TILE / 8][4], dp[BACKWARD_TILE / 8][4];
+                wgmma_fence();
+                rows_times_tile_t<BACKWARD_TILE>(p, kf, sm.q[s]);
+                rows_times_tile_t<BACKWARD_TILE>(dp, vf, sm.dout[s]);
+                wgmma_commit();
+                wgmma_wait();
+                column_gradients<BACKWARD_TILE>(p, dp, key0, t0, scale, sm.lse[s], sm.D[s]);
+                unsigned pf[BACKWARD_TILE / 16][4], dsf[BACKWARD_TILE / 16][4];
+                to_fragments<BACKWARD_TILE>(pf, p);
+                to_fragments<BACKWARD_TILE>(dsf, dp);
+                wgmma_fence();
+                fragments_times_tile<BACKWARD_TILE>(dv, pf, sm.dout[s]);
+                fragments_times_tile<BACKWARD_TILE>(dk, dsf, sm.q[s]);
+                wgmma_commit();
+                wgmma_wait();
+            }
+            release(sm.empty, g);
         }
-        release(sm.empty, j);
+        const float scales[2] = {scale, scale}, ones[2] = {1.0f, 1.0f};
+        bf16* rows = dqkv + (long long)w.b * T * 3 * C + w.h * HS;
+        store_rows(rows + C, 3 * C, key0, T, dk, scales);
+        store_rows(rows + 2 * C, 3 * C, key0, T, dv, ones);
     }
-    const float scales[2] = {scale, scale}, ones[2] = {1.0f, 1.0f};
-    bf16* rows = dqkv + (long long)b * T * 3 * C + h * HS;
-    store_rows(rows + C, 3 * C, key0, T, dk, scales);
-    store_rows(rows + 2 * C, 3 * C, key0, T, dv, ones);
 }
 
-// dQ of one block of ROWS queries. Grid (T / ROWS, B * NH). Consumer c owns queries q0 + 64c ... and keeps
-// its rows of Q and dO in registers; the producer streams the key tiles up to the diagonal. Per tile, as
+// dQ of items of ROWS queries, the last first. Consumer c owns queries row0 + 64c ... and keeps its rows of
+// Q and dO in registers; the producer streams the key tiles up to the diagonal. Per tile, as
 // flash_backward_dq: S = Q K^T, dP = dO V^T, P = exp(S - lse), dS = P * (dP - D), dQ += dS K.
 struct DqSmem {
     bf16 q[ROWS * HS], dout[ROWS * HS], k[STAGES][BACKWARD_TILE * HS], v[STAGES][BACKWARD_TILE * HS];
-    unsigned long long q_full, full[STAGES], empty[STAGES];
+    unsigned long long held_full, held_empty, full[STAGES], empty[STAGES];
 };
 extern "C" __device__ int flash_backward_dq_smem = sizeof(DqSmem) + 1024;
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_backward_dq(bf16* dqkv, const __grid_constant__ TensorMap dout_map,
                   const __grid_constant__ TensorMap qkv_map,
-                  const float* lse, const float* D, int T, int NH, float scale) {
+                  const float* lse, const float* D, int T, int NH, int heads, float scale) {
     DqSmem& sm = align_smem<DqSmem>();
-    const int C = NH * HS, q0 = (gridDim.x - 1 - blockIdx.x) * ROWS, b = blockIdx.y / NH, h = blockIdx.y % NH;
-    const int tiles = min(q0 + ROWS - 1, T - 1) / BACKWARD_TILE + 1;
+    const int C = NH * HS, row_tiles = (T + ROWS - 1) / ROWS, items = row_tiles * heads;
     if (threadIdx.x == 0) {
-        mbar_init(&sm.q_full, 1);
+        mbar_init(&sm.held_full, 1);
+        mbar_init(&sm.held_empty, 4 * CONSUMERS);
         init_ring(sm.full, sm.empty, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
     if (warpgroup() == 0) {   // the producer
-        registers_down<24>();
-        if (threadIdx.x == 0) {
-            mbar_arrive_expect_bytes(&sm.q_full, 2 * ROWS * HS * 2);
-            for (int r = 0; r < ROWS; r += COPY_ROWS) {
-                tma_load(sm.q + r * HS, &qkv_map, h * HS, q0 + r, b, &sm.q_full);
-                tma_load(sm.dout + r * HS, &dout_map, h * HS, q0 + r, b, &sm.q_full);
+        registers_down();
+        if (threadIdx.x == 0)
+            for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
+                const Item w = work_item(it, heads, NH, row_tiles, true);
+                const int tiles = min(w.row0 + ROWS - 1, T - 1) / BACKWARD_TILE + 1;
+                if (n > 0) mbar_wait(&sm.held_empty, (n - 1) & 1);
+                mbar_arrive_expect_bytes(&sm.held_full, 2 * ROWS * HS * 2);
+                for (int r = 0; r < ROWS; r += COPY_ROWS) {
+                    tma_load(sm.q + r * HS, &qkv_map, w.h * HS, w.row0 + r, w.b, &sm.held_full);
+                    tma_load(sm.dout + r * HS, &dout_map, w.h * HS, w.row0 + r, w.b, &sm.held_full);
+                }
+                for (int j = 0; j < tiles; j++, g++) {
+                    const int s = g % STAGES;
+                    wait_empty(sm.empty, g);
+                    mbar_arrive_expect_bytes(&sm.full[s], 2 * BACKWARD_TILE * HS * 2);
+                    tma_load(sm.k[s], &qkv_map, C + w.h * HS, j * BACKWARD_TILE, w.b, &sm.full[s]);
+                    tma_load(sm.v[s], &qkv_map, 2 * C + w.h * HS, j * BACKWARD_TILE, w.b, &sm.full[s]);
+                }
             }
-            for (int j = 0; j < tiles; j++) {
-                const int s = j % STAGES;
-                wait_empty(sm.empty, j);
-                mbar_arrive_expect_bytes(&sm.full[s], 2 * BACKWARD_TILE * HS * 2);
-                tma_load(sm.k[s], &qkv_map, C + h * HS, j * BACKWARD_TILE, b, &sm.full[s]);
-                tma_load(sm.v[s], &qkv_map, 2 * C + h * HS, j * BACKWARD_TILE, b, &sm.full[s]);
-            }
-        }
         return;
     }
-    registers_up<240>();
+    registers_up();
     const int c = warpgroup() - 1, warp = warp_in_group();
-    const int first_row = q0 + 64 * c, row0 = first_row + 16 * warp;
     const float scale_log2 = scale * LOG2E;
-    float L[2], Drow[2];
-    row_statistics(L, Drow, lse + (long long)blockIdx.y * T, D + (long long)blockIdx.y * T, row0, T);
-    mbar_wait(&sm.q_full, 0);
-    unsigned qf[HS / 16][4], dof[HS / 16][4];
-    load_rows(qf, sm.q, 64 * c + 16 * warp);
-    load_rows(dof, sm.dout, 64 * c + 16 * warp);
+    for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
+        const Item w = work_item(it, heads, NH, row_tiles, true);
+        const int tiles = min(w.row0 + ROWS - 1, T - 1) / BACKWARD_TILE + 1;
+        const int first_row = w.row0 + 64 * c, row0 = first_row + 16 * warp;
+        float L[2], Drow[2];
+        row_statistics(L, Drow, lse + (long long)w.bh * T, D + (long long)w.bh * T, row0, T);
+        mbar_wait(&sm.held_full, n & 1);
+        unsigned qf[HS / 16][4], dof[HS / 16][4];
+        load_rows(qf, sm.q, 64 * c + 16 * warp);
+        load_rows(dof, sm.dout, 64 * c + 16 * warp);
+        warp_arrive(&sm.held_empty);
 
-    float dq[HS / 8][4] = {};
-    for (int j = 0; j < tiles; j++) {
-        const int s = j % STAGES, k0 = j * BACKWARD_TILE;
-        mbar_wait(&sm.full[s], (j / STAGES) & 1);
-        if (k0 <= first_row + 63) {
-            float p[BACKWARD_TILE / 8][4], dp[BACKWARD_TILE / 8][4];
-            wgmma_fence();
-            rows_times_tile_t<BACKWARD_TILE>(p, qf, sm.k[s]);
-            rows_times_tile_t<BACKWARD_TILE>(dp, dof, sm.v[s]);
-            wgmma_commit();
-            wgmma_wait();
-            row_gradients<BACKWARD_TILE>(p, dp, row0, k0, scale_log2, L, Drow);
-            unsigned dsf[BACKWARD_TILE / 16][4];
-            to_fragments<BACKWARD_TILE>(dsf, dp);
-            wgmma_fence();
-            fragments_times_tile<BACKWARD_TILE>(dq, dsf, sm.k[s]);
-            wgmma_commit();
-            wgmma_wait();
+        float dq[HS / 8][4] = {};
+        for (int j = 0; j < tiles; j++, g++) {
+            const int s = g % STAGES, k0 = j * BACKWARD_TILE;
+            mbar_wait(&sm.full[s], (g / STAGES) & 1);
+            if (k0 <= first_row + 63) {
+                float p[BACKWARD_TILE / 8][4], dp[BACKWARD_TILE / 8][4];
+                wgmma_fence();
+                rows_times_tile_t<BACKWARD_TILE>(p, qf, sm.k[s]);
+                rows_times_tile_t<BACKWARD_TILE>(dp, dof, sm.v[s]);
+                wgmma_commit();
+                wgmma_wait();
+                row_gradients<BACKWARD_TILE>(p, dp, row0, k0, scale_log2, L, Drow);
+                unsigned dsf[BACKWARD_TILE / 16][4];
+                to_fragments<BACKWARD_TILE>(dsf, dp);
+                wgmma_fence();
+                fragments_times_tile<BACKWARD_TILE>(dq, dsf, sm.k[s]);
+                wgmma_commit();
+                wgmma_wait();
+            }
+            release(sm.empty, g);
         }
-        release(sm.empty, j);
+        const float scales[2] = {scale, scale};
+        store_rows(dqkv + (long long)w.b * T * 3 * C + w.h * HS, 3 * C, row0, T, dq, scales);
     }
-    const float scales[2] = {scale, scale};
-    store_rows(dqkv + (long long)b * T * 3 * C + h * HS, 3 * C, row0, T, dq, scales);
 }

@@ -1,7 +1,6 @@
-// GELU, tanh approximation (GPT-2's): y = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
+// GELU forward and backward, element-wise (the math is in gelu.cuh).
 #include "common.cuh"
-
-#define GELU_SCALE 0.7978845608028654f  // sqrt(2 / pi)
+#include "gelu.cuh"
 
 // One thread per pack: n/PACK threads.
 extern "C" __global__ void gelu_forward(floatX* out, const floatX* inp, long long n) {
@@ -11,13 +10,12 @@ extern "C" __global__ void gelu_forward(floatX* out, const floatX* inp, long lon
     Pack y;
     for (int i = 0; i < PACK; i++) {
         const float v = (float)x.v[i];
-        y.v[i] = floatX(0.5f * v * (1.0f + tanhf(GELU_SCALE * (v + 0.044715f * v * v * v))));
+        y.v[i] = floatX(gelu(v, gelu_tanh(v)));
     }
     store_pack(out + idx, y);
 }
 
-// dinp = dout * dy/dx, dy/dx = 0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
-// dinp is overwritten. One thread per pack: n/PACK threads.
+// dinp = dout * gelu'(inp), dinp overwritten (it may be dout). One thread per pack: n/PACK threads.
 extern "C" __global__ void gelu_backward(floatX* dinp, const floatX* inp, const floatX* dout, long long n) {
     const long long idx = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * PACK;
     if (idx >= n) return;
@@ -25,10 +23,7 @@ extern "C" __global__ void gelu_backward(floatX* dinp, const floatX* inp, const 
     Pack dx;
     for (int i = 0; i < PACK; i++) {
         const float v = (float)x.v[i];
-        const float th = tanhf(GELU_SCALE * (v + 0.044715f * v * v * v));
-        const float grad = 0.5f * (1.0f + th)
-                           + 0.5f * v * (1.0f - th * th) * GELU_SCALE * (1.0f + 3.0f * 0.044715f * v * v);
-        dx.v[i] = floatX(grad * (float)d.v[i]);
+        dx.v[i] = floatX(gelu_grad(v, gelu_tanh(v)) * (float)d.v[i]);
     }
     store_pack(dinp + idx, dx);
 }
