@@ -92,7 +92,9 @@ def main(argv):
     bench("encoder_backward", lambda: be.encoder_backward(dwte, dwpe, dx, inp), 3 * N * C * s, per_step=1)
     bench("layernorm_forward", lambda: be.layernorm_forward(out, mean, rstd, x, w_ln, b_ln), 2 * N * C * s,
           per_step=1)
-    bench("layernorm_backward", lambda: be.layernorm_backward(dx, w_ln, b_ln, out, x, w_ln, mean, rstd),
+    db_below = act(C)   # as the model runs it: with the bias gradient of the projection below
+    bench("layernorm_backward",
+          lambda: be.layernorm_backward(dx, w_ln, b_ln, out, x, w_ln, mean, rstd, db_below),
           4 * N * C * s, per_step=2 * L + 1)
     for label, cin, cout, count in (("qkv", C, 3 * C, L), ("attproj", C, C, L), ("fc", C, 4 * C, L),
                                     ("fcproj", 4 * C, C, L), ("lm_head", C, Vp, 1)):
@@ -103,14 +105,16 @@ def main(argv):
         mm_bytes = (N * cin + cin * cout + N * cout) * s
         bench(f"matmul_forward {label}", lambda: be.matmul_forward(y, a, w, bias), mm_bytes,
               2 * N * cin * cout, per_step=count)
-        if label == "fcproj":   # as the model runs it: through the GELU, fc's bias and -r 1's recompute
+        # as the model runs them: fc's bias gradient comes from fcproj's backward, which also applies the
+        # GELU and -r 1's recompute; attproj's and fcproj's from the layernorm backward above them
+        if label == "fcproj":
             pre, dbias_prev = act(B, T, cin), act(cin)
             bench("matmul_gelu_backward fcproj",
-                  lambda: be.matmul_gelu_backward(da, dw, dbias, dy, a, w, pre, dbias_prev, True),
+                  lambda: be.matmul_gelu_backward(da, dw, None, dy, a, w, pre, dbias_prev, True),
                   2 * mm_bytes + 3 * N * cin * s, 4 * N * cin * cout, per_step=count)
-        else:   # fc's bias gradient comes from fcproj's backward
+        else:
             bench(f"matmul_backward {label}",
-                  lambda: be.matmul_backward(da, dw, None if label == "fc" else dbias, dy, a, w),
+                  lambda: be.matmul_backward(da, dw, dbias if label == "qkv" else None, dy, a, w),
                   2 * mm_bytes, 4 * N * cin * cout, per_step=count)
     # causal attention's useful work: half of the (T, T) products, 2 in the forward (S = Q K^T, O = P V) and
     # 2.5 times as much in the backward, as FlashAttention-2 counts; bytes as flash attention moves them

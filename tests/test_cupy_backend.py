@@ -135,6 +135,9 @@ def test_layernorm_forward_and_backward_accumulate(gpu, shape):
     dinp, dw, db, dout = randn(rng, B, T, C), randn(rng, C), randn(rng, C), randn(rng, B, T, C)
     assert_close(gpu, compare(gpu, "layernorm_backward", [dinp, dw, db, dout, x, w, mean, rstd], [0, 1, 2],
                               fp32=[6, 7]))
+    dbias_below = randn(rng, C)   # with the column sums of dinp, the bias gradient of the projection below
+    assert_close(gpu, compare(gpu, "layernorm_backward", [dinp, dw, db, dout, x, w, mean, rstd, dbias_below],
+                              [0, 1, 2, 8], fp32=[6, 7]))
     residual, x2 = np.zeros((B, T, C), np.float32), randn(rng, B, T, C)
     assert_close(gpu, compare(gpu, "residual_layernorm_forward", [residual, out, mean, rstd, x, x2, w, b],
                               [0, 1, 2, 3], poison=[0, 1, 2, 3], fp32=[2, 3]))

@@ -80,6 +80,12 @@ def test_layernorm_backward_accumulates_into_dinp_dw_and_db(be, rng):
     be.layernorm_backward(dinp, dw, db, dout, x, w, mean, rstd)
     for got, start, r in zip((dinp, dw, db), starts, (dx_ref, dw_ref, db_ref)):
         np.testing.assert_array_equal(got, start + r + r)
+    dbias0 = randn(rng, C)   # the projection below's bias gradient: += the column sums of dinp as updated
+    dbias = dbias0.copy()
+    be.layernorm_backward(dinp, dw, db, dout, x, w, mean, rstd, dbias)
+    updated = starts[0] + dx_ref + dx_ref + dx_ref
+    np.testing.assert_array_equal(dinp, updated)
+    np.testing.assert_array_equal(dbias, dbias0 + updated.reshape(-1, C).sum(axis=0))
 
 
 @pytest.mark.parametrize("has_bias", [True, False])

@@ -34,7 +34,9 @@ its dinp is the residual stream's gradient, which already holds the skip connect
   residual_layernorm_forward(residual, out, mean, rstd, inp1, inp2, w, b)
                                                  residual = inp1 + inp2, then
                                                  layernorm_forward(out, .., residual)
-  layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd)   all three +=
+  layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, dbias_below=None)   all +=; dbias_below +=
+                                                 sum dinp after its update: the bias gradient of the
+                                                 projection that added into the residual stream below
   matmul_forward(out, inp, w, bias)              out(B,T,OC) = inp(B,T,C) @ w(OC,C)^T + bias(OC)
                                                  (bias may be None)
   matmul_backward(dinp, dw, dbias, dout, inp, w) dinp = dout @ w;  dw += dout^T @ inp;  dbias += sum dout

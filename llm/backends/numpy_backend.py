@@ -138,11 +138,13 @@ class NumpyBackend:
         residual[...] = ref.residual_forward(inp1, inp2)
         out[...], mean[...], rstd[...] = ref.layernorm_forward(residual, w, b)
 
-    def layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd):
+    def layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd, dbias_below=None):
         dinp_, dw_, db_ = ref.layernorm_backward(dout, inp, w, mean, rstd)
         dinp += dinp_     # dinp is the residual stream's gradient: it already holds the skip path's share
         dw += dw_
         db += db_
+        if dbias_below is not None:
+            dbias_below += dinp.reshape(-1, dinp.shape[-1]).sum(axis=0)   # as reference/matmul.py sums
 
     def matmul_forward(self, out, inp, w, bias):
         out[...] = ref.matmul_forward(inp, w, bias)

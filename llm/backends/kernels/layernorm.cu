@@ -11,6 +11,12 @@
 #ifndef WARPS
 #define WARPS 8        // warps per block of layernorm_backward
 #endif
+#ifndef SUMS
+#define SUMS 2         // column sums layernorm_backward makes: dw, db, and with 3 also dinp's
+#endif
+#ifndef BLOCKS
+#define BLOCKS 2       // blocks of layernorm_backward per SM, as the launcher's grid has them
+#endif
 constexpr int C = CHANNELS, PACKS = C / PACK, LANE_PACKS = (PACKS + 31) / 32;   // a lane's packs of a row
 static_assert(C % PACK == 0, "the launcher checks that C is a multiple of 8");
 
@@ -73,15 +79,20 @@ extern "C" __global__ void layernorm_forward(floatX* residual, floatX* out, floa
 // One warp per row at a time: warp `warp` of block k takes rows k * WARPS + warp, stepping by gridDim.x *
 // WARPS. A lane loads its share of the row's x and dout once, into registers, and keeps its channels' dw
 // and db sums in registers across every row it visits. At the end the warps add theirs into shared memory
-// one after the other, in warp order, and the block writes one row of `partial` (gridDim.x, 2C: dw then
-// db); add_partial_sums (reduce.cu) then adds the rows in order into dw and db. No atomics anywhere, so
-// the sums are the same on every run.
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
+// one after the other, in warp order, and the block writes one row of `partial` (gridDim.x, SUMS * C: dw,
+// db, then with SUMS = 3 the column sums of dinp as updated); add_partial_sums (reduce.cu) then adds the
+// rows in order. No atomics anywhere, so the sums are the same on every run.
+//
+// dinp is the residual stream's gradient, which is also the gradient at the output of the projection
+// (attproj, or the layer below's fcproj) that added into the stream just below this layernorm: its
+// column sums are that projection's bias gradient, summed here from the registers that write dinp rather
+// than by a pass of their own.
+extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS)
 layernorm_backward(floatX* dinp, float* partial, const floatX* dout, const floatX* inp, const floatX* w,
                    const float* mean, const float* rstd, int N) {
-    __shared__ float block_sums[2 * C];
+    __shared__ float block_sums[SUMS * C];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float dw[LANE_PACKS][PACK] = {}, db[LANE_PACKS][PACK] = {};
+    float dw[LANE_PACKS][PACK] = {}, db[LANE_PACKS][PACK] = {}, dr[LANE_PACKS][PACK] = {};
     for (int row = blockIdx.x * WARPS + warp; row < N; row += gridDim.x * WARPS) {
         const long long offset = (long long)row * C;
         Pack px[LANE_PACKS], pd[LANE_PACKS];
@@ -117,11 +128,12 @@ layernorm_backward(floatX* dinp, float* partial, const floatX* dout, const float
                 dx.v[i] = floatX((float)dx.v[i] + s * ((float)pw.v[i] * d - mean_g - n * mean_gn));
                 dw[k][i] += d * n;
                 db[k][i] += d;
+                if (SUMS == 3) dr[k][i] += (float)dx.v[i];
             }
             store_pack(dinp + offset + c, dx);
         }
     }
-    for (int j = threadIdx.x; j < 2 * C; j += blockDim.x) block_sums[j] = 0.0f;
+    for (int j = threadIdx.x; j < SUMS * C; j += blockDim.x) block_sums[j] = 0.0f;
     __syncthreads();
     for (int turn = 0; turn < WARPS; turn++) {   // warp by warp: a fixed order of additions
         if (warp == turn)
@@ -132,9 +144,10 @@ layernorm_backward(floatX* dinp, float* partial, const floatX* dout, const float
                     for (int i = 0; i < PACK; i++) {
                         block_sums[channel(lane, k) + i] += dw[k][i];
                         block_sums[C + channel(lane, k) + i] += db[k][i];
+                        if (SUMS == 3) block_sums[2 * C + channel(lane, k) + i] += dr[k][i];
                     }
         __syncthreads();
     }
-    for (int j = threadIdx.x; j < 2 * C; j += blockDim.x)
-        partial[(long long)blockIdx.x * 2 * C + j] = block_sums[j];
+    for (int j = threadIdx.x; j < SUMS * C; j += blockDim.x)
+        partial[(long long)blockIdx.x * SUMS * C + j] = block_sums[j];
 }
