@@ -143,6 +143,18 @@ def test_layernorm_forward_and_backward_accumulate(gpu, shape):
                               [0, 1, 2, 3], poison=[0, 1, 2, 3], fp32=[2, 3]))
 
 
+def test_layernorm_backward_of_a_wide_row(gpu):
+    """C = 1600 (GPT-2 1.5B): one block per SM, and the bias gradient below by a pass of its own."""
+    rng = np.random.default_rng(5)
+    B, T, C = 2, 8, 1600
+    x, w, b = randn(rng, B, T, C, scale=2.0) + 0.5, randn(rng, C), randn(rng, C)
+    out, mean, rstd = (np.zeros(s, np.float32) for s in ((B, T, C), (B, T), (B, T)))
+    REF.layernorm_forward(out, mean, rstd, rounded(gpu, x), rounded(gpu, w), rounded(gpu, b))
+    args = [randn(rng, B, T, C), randn(rng, C), randn(rng, C), randn(rng, B, T, C), x, w, mean, rstd,
+            randn(rng, C)]
+    assert_close(gpu, compare(gpu, "layernorm_backward", args, [0, 1, 2, 8], fp32=[6, 7]))
+
+
 @pytest.mark.parametrize("layer", ["qkv", "fcproj", "lm_head"])
 def test_matmul_forward_and_backward(gpu, shape, layer):
     rng = np.random.default_rng(3)

@@ -149,10 +149,12 @@ class CupyBackend:
 
     # ---------------------------------------------------------------- layernorm
 
-    # warps per block of layernorm_backward, blocks per SM: the fastest of five shapes on an H200 at d12 B=64
-    # with the bias sum (0.166 ms; 16 x 1: 0.165, 12 x 1: 0.169, 4 x 3: 0.175, 8 x 1: 0.202), though its cap
-    # of 128 registers spills a little
-    LN_WARPS, LN_BLOCKS = 8, 2
+    # layernorm_backward: warps per block, and blocks per SM up to LN_FUSED_CHANNELS. A lane holds its share of
+    # a row and of each column sum in registers. Up to C = 768 they fit two blocks per SM with the third sum
+    # (dbias_below): the fastest of five shapes on an H200 at d12 B=64 (0.166 ms; 16 x 1: 0.165, 12 x 1:
+    # 0.169, 4 x 3: 0.175, 8 x 1: 0.202), though its cap of 128 registers spills a little. Wider rows (d48's
+    # 1600) take one block per SM and sum dbias_below in a pass of its own: the third sum spilled there.
+    LN_WARPS, LN_BLOCKS, LN_FUSED_CHANNELS = 8, 2, 768
 
     def layernorm_forward(self, out, mean, rstd, inp, w, b):
         self._layernorm_forward(None, out, mean, rstd, inp, None, w, b)
@@ -175,15 +177,19 @@ class CupyBackend:
         C = inp.shape[-1]
         N = inp.size // C
         check_packs((dinp, dout, inp, w), C=C)
-        # LN_BLOCKS blocks per SM, each holding its rows' sums in registers, then writing one partial row
-        sums = 2 if dbias_below is None else 3
-        grid = min(blocks(N, self.LN_WARPS), self.LN_BLOCKS * self.num_sms)
+        narrow = C <= self.LN_FUSED_CHANNELS
+        sums = 3 if narrow and dbias_below is not None else 2
+        per_sm = self.LN_BLOCKS if narrow else 1
+        # per_sm blocks per SM, each holding its rows' sums in registers, then writing one partial row
+        grid = min(blocks(N, self.LN_WARPS), per_sm * self.num_sms)
         partial = self._buffer(f"ln_partial{sums}", (grid, sums * C), FP32)
         self._kernel("layernorm", "layernorm_backward", CHANNELS=C, WARPS=self.LN_WARPS, SUMS=sums,
-                     BLOCKS=self.LN_BLOCKS)(
+                     BLOCKS=per_sm)(
             (grid,), (32 * self.LN_WARPS,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N)))
         for k, out in enumerate((dw, db, dbias_below)[:sums]):
             self._add_partial_sums(out, partial.reshape(-1)[k * C:], grid, sums * C)
+        if sums == 2:
+            self._bias_gradient(dbias_below, dinp)
 
     # ---------------------------------------------------------------- matmul
     # Through cuBLASLt (cuda.py), whose epilogues add the bias, and in bf16 apply GELU, inside the GEMM. In
