@@ -28,6 +28,7 @@ BAD_INPUT = {
     "bench.step": (["-m", "bench.step", "--model", "d7"], "unsupported GPT-2 depth 7"),
     "bench.gpu_ops": (["-m", "bench.gpu_ops", "--reps", "many"], "--reps: invalid int value: 'many'"),
     "bench.torch_gpt2": (["-m", "bench.torch_gpt2", "--steps", "many"], ""),   # without torch: one line too
+    "bench.kernels": (["-m", "bench.kernels", "--steps", "0"], ""),            # so is this one
 }
 
 
@@ -100,10 +101,10 @@ def test_every_command_run_by_a_python_without_a_package_says_to_use_the_venv(co
 
 
 @pytest.mark.parametrize("command", [command for command in BAD_INPUT
-                                     if command not in ("train_gpt2.py", "bench.torch_gpt2")])
+                                     if command not in ("train_gpt2.py", "bench.torch_gpt2", "bench.kernels")])
 def test_every_commands_help_says_what_it_does_in_whole_sentences(command):
     """The description under the usage, from the module's docstring (bench's once stopped mid-sentence).
-    train_gpt2.py's --help is llm.c's list of flags; bench.torch_gpt2 needs torch."""
+    train_gpt2.py's --help is llm.c's list of flags; bench.torch_gpt2 and bench.kernels need torch."""
     args = BAD_INPUT[command][0]
     args = [os.path.join(REPO, args[0])] if args[0].endswith(".py") else args[:2]
     proc = python([*args, "--help"], cwd=REPO)

@@ -74,6 +74,11 @@ def host_memory_available():
     return available if room is None else max(0, min(available, room))
 
 
+def column_sums(x):
+    """x (..., OC) summed over every position, as reference/matmul.py sums a bias gradient (the same bits)."""
+    return x.reshape(-1, x.shape[-1]).sum(axis=0)
+
+
 class NumpyBackend:
     name = "numpy"
     xp = np
@@ -144,7 +149,7 @@ class NumpyBackend:
         dw += dw_
         db += db_
         if dbias_below is not None:
-            dbias_below += dinp.reshape(-1, dinp.shape[-1]).sum(axis=0)   # as reference/matmul.py sums
+            dbias_below += column_sums(dinp)
 
     def matmul_forward(self, out, inp, w, bias):
         out[...] = ref.matmul_forward(inp, w, bias)
@@ -165,7 +170,7 @@ class NumpyBackend:
         self.matmul_backward(dinp, dw, dbias, dout, inp, w)
         self.gelu_backward(dinp, pre_gelu, dinp)
         if dbias_prev is not None:
-            dbias_prev += dinp.reshape(-1, dinp.shape[-1]).sum(axis=0)   # as reference/matmul.py sums
+            dbias_prev += column_sums(dinp)
 
     def attention_saved_shape(self, B, T, NH):
         return (B, NH, T, T), np.float32     # the softmax probabilities att

@@ -1,0 +1,138 @@
+"""Where one training step's GPU time goes, kernel by kernel: the CUDA kernels of a few d12 steps, as the
+GPU's profiling interface (CUPTI) records them, through torch.profiler, which is the only thing this needs
+torch for (never a dependency of the project). Unlike bench/step.py's per-op table, the steps run as
+training runs them, CUDA graphs and all, and nothing is added between the kernels.
+
+    python -m bench.kernels [--model d12] [-b 64] [-t 1024] [--steps 3] [--attention auto|cudnn]
+    python -m bench.kernels --torch      the same for torch.compile's step (bench/torch_gpt2.py's model)
+
+Prints the milliseconds of kernels a step, split into GEMMs, attention and the rest; the idle time between
+kernels; and the kernels that take the most time, with their calls a step.
+"""
+import collections
+import time
+
+import numpy as np
+
+from bench.step import ADVICE
+from llm import memory
+from llm.backends import BackendError, get_backend, gpu_missing
+from llm.comm import SingleComm
+from llm.config import GPT2Config
+from llm.launch import Parser, run
+from llm.model import GPT2
+from llm.outliers import UpdateGuard
+from llm.step import train_step
+from llm.weight_init import init_params
+from llm.zero import ZeroOptimizer
+
+try:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+except ImportError:
+    raise SystemExit("error: bench.kernels reads the kernels through torch.profiler: pip install torch "
+                     "(the project itself never needs it)")
+
+GEMM = ("gemm", "nvjet", "xmma", "cutlass", "matmul")
+ATTENTION = ("flash", "fmha", "attention", "sdpa")
+
+
+def kind(name):
+    low = name.lower()
+    if any(s in low for s in ATTENTION):
+        return "attention"
+    return "gemm" if any(s in low for s in GEMM) else "other"
+
+
+def report(prof, steps, label, top):
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total, calls = collections.defaultdict(float), collections.Counter()
+    for e in kernels:
+        total[e.name] += e.device_time_total / 1000
+        calls[e.name] += 1
+    kinds = collections.defaultdict(float)
+    for name, ms in total.items():
+        kinds[kind(name)] += ms
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    idle, end = 0.0, spans[0][1]
+    for start, stop in spans[1:]:
+        idle += max(0.0, start - end)
+        end = max(end, stop)
+    print(f"{label}: {sum(total.values()) / steps:.2f} ms of kernels a step (" +
+          ", ".join(f"{k} {v / steps:.2f}" for k, v in sorted(kinds.items())) +
+          f"); idle between them {idle / 1000 / steps:.2f} ms a step")
+    for name in sorted(total, key=total.get, reverse=True)[:top]:
+        print(f"{total[name] / steps:9.3f} ms {calls[name] // steps:5d}x  {kind(name):<9} {name[:110]}")
+
+
+def ours(args):
+    if missing := gpu_missing():
+        raise BackendError(missing)
+    backend = get_backend("cupy", "bf16", attention=args.attention, cuda_graph=True)
+    config = GPT2Config.from_descriptor(args.model)
+    memory.check(memory.needed(backend, config, [(args.b, args.t)], 1), backend.memory_available(), ADVICE)
+    model = GPT2(config, backend, recompute=1)
+    model.load_params(init_params(config))
+    optimizer = ZeroOptimizer(model, SingleComm(), zero_stage=0, weight_decay=0.0)
+    guard, rng = UpdateGuard(), np.random.default_rng(0)
+    batch = [tuple(rng.integers(0, config.vocab_size, (args.b, args.t), dtype=np.int32) for _ in range(2))]
+    step = iter(range(1, 1_000_000))
+
+    def run_steps(n):
+        for _ in range(n):
+            train_step(model, optimizer, batch, 1e-4, next(step), guard)
+        backend.synchronize()
+    return run_steps, f"this project, {args.model} B={args.b} T={args.t} attention {backend.attention.name}"
+
+
+def theirs(args):
+    from bench.torch_gpt2 import GPT
+    config = GPT2Config.from_descriptor(args.model)
+    torch.manual_seed(0)
+    model = GPT(config).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                                  fused=True)
+    compiled = torch.compile(model)
+    x, y = (torch.randint(0, config.vocab_size, (args.b, args.t), device="cuda") for _ in range(2))
+
+    def run_steps(n):
+        for _ in range(n):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss.item()
+        torch.cuda.synchronize()
+    return run_steps, f"torch.compile, {args.model} B={args.b} T={args.t}"
+
+
+def main(argv):
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="d12")
+    parser.add_argument("-b", type=int, default=64)
+    parser.add_argument("-t", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps, after warm-up ones")
+    parser.add_argument("--attention", default="auto", choices=["auto", "cudnn"])
+    parser.add_argument("--torch", action="store_true", help="profile torch.compile's step instead")
+    parser.add_argument("--top", type=int, default=25, help="kernels to list")
+    args = parser.parse_args(argv)
+    for flag, value in (("--steps", args.steps), ("-b", args.b), ("-t", args.t)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    positions = GPT2Config.from_descriptor(args.model).max_seq_len
+    if args.t > positions:
+        parser.error(f"-t {args.t} is longer than {args.model}'s {positions} positions")
+    run_steps, label = (theirs if args.torch else ours)(args)
+    run_steps(4)   # compiles, plans the GEMMs, records the graphs
+    t0 = time.perf_counter()
+    run_steps(args.steps)
+    print(f"{label}: {(time.perf_counter() - t0) * 1000 / args.steps:.1f} ms a step without the profiler")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_steps(args.steps)
+    report(prof, args.steps, label, args.top)
+
+
+if __name__ == "__main__":
+    run(main, memory_advice=ADVICE)
