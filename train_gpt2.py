@@ -24,7 +24,7 @@ from llm.comm import make_comm
 from llm.config import GPT2_VOCAB, WEIGHTS_HINT, GPT2Config
 from llm.data import DataLoader, EvalLoader, score, shared_files_warning
 from llm.formats import FormatError
-from llm.launch import UsageError
+from llm.launch import UsageError, install
 from llm.model import GPT2
 from llm.outliers import DivergedError, UpdateGuard
 from llm.sample import generate, generate_shapes
@@ -108,7 +108,7 @@ FLAGS = {
     "--comm": ("communicator", "auto", str, one_of("auto", "nccl"),
                "auto, or nccl: NCCL between GPUs even for a single rank"),
     "--attention": ("attention", "auto", str, one_of("auto", "cudnn"),
-                    "auto (flash attention written here), or cudnn: cuDNN's (pip install .[cudnn])"),
+                    f"auto (flash attention written here), or cudnn: cuDNN's ({install('cudnn')})"),
     "--cuda-graph": ("cuda_graph", 1, int, ZERO_ONE,
                      "replay each forward and backward as a recorded CUDA graph (0/1; the cupy backend "
                      "in bf16)"),

@@ -3,3 +3,13 @@ its time goes), python -m bench.gpu_ops (each GPU op alone), python -m bench.tor
 to compare)."""
 # before any module here imports numpy: a missing package is one line (llm/__init__.py)
 import llm   # noqa: F401
+from importlib.util import find_spec
+
+
+def needs(*packages):
+    """Stop with one line unless these packages, which a yardstick needs and the project never does (torch,
+    transformers), are installed. A yardstick calls it as it loads, before it imports them."""
+    missing = [name for name in packages if find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"error: this yardstick needs {' and '.join(missing)} (pip install {' '.join(missing)}), "
+                         f"which the project itself never needs")

@@ -134,8 +134,6 @@ def main(argv):
           lambda: be.residual_layernorm_forward(res, out, mean, rstd, x, dx, w_ln, b_ln),
           4 * N * C * s, per_step=2 * L)
     bench("gelu_forward", lambda: be.gelu_forward(h, dh), 2 * N * 4 * C * s)   # fp32's; bf16: in the GEMM
-    bench("gelu_backward", lambda: be.gelu_backward(dh, h, h), 3 * N * 4 * C * s)   # in matmul_gelu_backward
-    bench("residual_forward", lambda: be.residual_forward(out, x, dx), 3 * N * C * s)   # fused above now
     bench("fused_classifier", lambda: be.fused_classifier(logits, losses, targets, V, 1.0 / N),
           2 * N * Vp * s, per_step=1)
     bench("adamw (all params)",

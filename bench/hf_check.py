@@ -13,7 +13,10 @@ tokenizer must encode each text as tiktoken does. Exit status 1 if anything diff
 import os
 import tempfile
 
+from bench import needs
+
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")   # the folder alone, no download
+needs("torch", "transformers")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoTokenizer, GPT2LMHeadModel  # noqa: E402

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from bench import needs
 from bench.step import ADVICE
 from llm import memory
 from llm.backends import BackendError, get_backend, gpu_missing
@@ -26,12 +27,9 @@ from llm.step import train_step
 from llm.weight_init import init_params
 from llm.zero import ZeroOptimizer
 
-try:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-except ImportError:
-    raise SystemExit("error: bench.kernels reads the kernels through torch.profiler: pip install torch "
-                     "(the project itself never needs it)")
+needs("torch")
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 GEMM = ("gemm", "nvjet", "xmma", "cutlass", "matmul")
 ATTENTION = ("flash", "fmha", "attention", "sdpa")

@@ -32,8 +32,8 @@ from llm.zero import ZeroOptimizer
 
 OPS = ("encoder_forward", "encoder_backward", "layernorm_forward", "residual_layernorm_forward",
        "layernorm_backward", "matmul_forward", "matmul_backward", "matmul_gelu_forward",
-       "matmul_gelu_backward", "attention_forward", "attention_backward", "gelu_forward", "gelu_backward",
-       "residual_forward", "fused_classifier", "adamw", "sumsq")
+       "matmul_gelu_backward", "attention_forward", "attention_backward", "gelu_forward", "fused_classifier",
+       "adamw", "sumsq")
 DEFAULT_BT = {"numpy": (4, 64), "cupy": (64, 1024)}
 ADVICE = "lower -b, use -r 2, or a smaller --model"   # when a step does not fit
 

@@ -14,16 +14,15 @@ nvidia-smi sampled while it runs).
 import statistics
 import time
 
+from bench import needs
 from bench.gpu_memory import GpuMemoryPeak
 from llm.config import GPT2Config
 from llm.launch import Parser, run
 
-try:
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-except ImportError:
-    raise SystemExit("error: this yardstick needs PyTorch (pip install torch), which the project never needs")
+needs("torch")
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 class Block(nn.Module):

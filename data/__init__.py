@@ -1,8 +1,7 @@
 """What the data preparation scripts share: their common flags, reading the source text from a local file
-or a download, optional packages, and writing shards. Each script runs as a module from the repository's
+or a download, and writing shards. Each script runs as a module from the repository's
 root (python -m data.tinyshakespeare) through llm.launch.run, which prints a user's mistake as one line."""
 from contextlib import contextmanager
-import importlib
 import io
 import os
 import urllib.request
@@ -73,16 +72,6 @@ def first_line(e):
     on)."""
     message = str(e).strip()
     return message.splitlines()[0].split(". ")[0].rstrip(".") if message else type(e).__name__
-
-
-def optional(module, extra):
-    """Import a package that only some scripts need; without it, one line naming the extra that installs
-    it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        package = module.split(".")[0]
-        raise PrepError(f"this needs the {package} package: pip install .[{extra}]") from None
 
 
 def quiet_hub_retries():

@@ -15,7 +15,7 @@ that is not a string.
 Tokenizing runs on --workers processes; the documents come back in their order, so the shards are
 the same whatever the number of workers. Local files: .txt is one document, .jsonl one document per
 line (its "text" field), .parquet one per row (its "text" column, read with pyarrow). FineWeb itself is
-streamed with the datasets package (pip install .[data]); local .txt and .jsonl need no extra package.
+streamed with the datasets package (pip install -e ".[data]"); local .txt and .jsonl need no extra package.
 """
 from contextlib import nullcontext
 from itertools import chain
@@ -26,10 +26,10 @@ import re
 
 import numpy as np
 
-from data import (REPO, PrepError, arguments, first_line, optional, quiet_hub_retries, read_text, reading,
+from data import (REPO, PrepError, arguments, first_line, quiet_hub_retries, read_text, reading,
                   write_shard)
 from llm import formats
-from llm.launch import run, worker_signals
+from llm.launch import optional, run, worker_signals
 from llm.tokenizer import Tokenizer
 
 try:

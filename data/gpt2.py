@@ -13,7 +13,7 @@ The sizes come from the tensors: L from the h.<l> layers, C from wte's columns, 
 from wpe's rows. NH is --heads, else n_head of a config.json beside the weights, else C / 64 (every
 GPT-2 has head size 64). --model names the size expected and the files written; without it, a local
 model is named after its size (gpt2_124M.bin), or its descriptor for other sizes (gpt2_d2c64h4.bin).
-Needs the optional packages: pip install .[weights].
+Needs the optional packages: pip install -e ".[weights]".
 """
 import json
 import os
@@ -21,11 +21,11 @@ import re
 
 import numpy as np
 
-from data import PrepError, arguments, first_line, optional, quiet_hub_retries
+from data import PrepError, arguments, first_line, quiet_hub_retries
 from llm import formats
 from llm.config import DEPTHS, ConfigError, GPT2Config
 from llm.hf import CONFIG_SIZES, LM_HEAD, MASK_BUFFER, PREFIX, WEIGHTS, hf_views
-from llm.launch import run
+from llm.launch import optional, run
 from llm.layout import ParamViews
 from llm.tokenizer import Tokenizer
 

@@ -16,7 +16,6 @@ them, in the checkpoint's precision unless --dtype says otherwise (bf16 is the f
 even, as llm.c's writer does). The model file may be ours or llm.c's, version 3 (fp32) or 5 (bf16); its
 vocabulary must be GPT-2's, since the tokenizer files are.
 """
-import importlib
 import json
 import os
 import re
@@ -27,7 +26,7 @@ from llm import formats
 from llm.checkpoint import find_model
 from llm.config import GPT2_VOCAB
 from llm.hf import CONFIG_SIZES, PREFIX, WEIGHTS, hf_views
-from llm.launch import Parser, UserError, run
+from llm.launch import Parser, UserError, install, optional, run
 from llm.layout import ParamViews
 from llm.tokenizer import ENDOFTEXT, Tokenizer, byte_to_unicode, recover_merges
 
@@ -41,14 +40,6 @@ REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 class ExportError(UserError):
     """A flag, a folder or a missing package that stops the export: one line that says what to do."""
-
-
-def extra(module):
-    """A package of the `weights` extra, imported when it is needed (import llm never needs it)."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ExportError(f"this needs the {module.split('.')[0]} package: pip install .[weights]") from None
 
 
 TEMPORARY = re.compile(r"(.+)\.\d+\.tmp")   # formats.temporary_path's names
@@ -131,7 +122,7 @@ def write_weights(path, tensors, save_file):
 
 def push(out, repo, hub):
     """Upload the folder to the Hub as the model repo `repo` (created if it does not exist)."""
-    extra("huggingface_hub.utils.logging").set_verbosity_error()   # our one line, not a warning per retry
+    optional("huggingface_hub.utils.logging", "weights").set_verbosity_error()   # our one line, not a warning per retry
     print(f"uploading {out} to https://huggingface.co/{repo}")
     try:
         api = hub.HfApi()
@@ -157,7 +148,7 @@ def arguments():
     parser.add_argument("--vocab", metavar="PATH", help="GPT-2's BPE ranks, a gpt2.tiktoken file "
                         "(default: $GPT2_VOCAB, else tiktoken's download)")
     parser.add_argument("--push", metavar="USER/REPO", help="then upload the folder to the Hugging Face Hub "
-                        "(needs huggingface_hub, pip install .[weights], and a login: hf auth login)")
+                        f"(needs huggingface_hub, {install('weights')}, and a login: hf auth login)")
     return parser
 
 
@@ -165,8 +156,8 @@ def main(argv):
     args = arguments().parse_args(argv)
     if args.push and not REPO_ID.fullmatch(args.push):
         raise ExportError(f"--push {args.push}: name the Hub repo as USER/REPO")
-    save_file = extra("safetensors.numpy").save_file   # the packages before the work, not after it
-    hub = extra("huggingface_hub") if args.push else None
+    save_file = optional("safetensors.numpy", "weights").save_file   # the packages before the work, not after it
+    hub = optional("huggingface_hub", "weights") if args.push else None
     replaced = check_out(args.out)
     path = find_model(args.e)
     config, version = formats.read_model_config(path)   # the header: what the model is, before any large read
@@ -174,7 +165,7 @@ def main(argv):
         raise ExportError(f"{path}: vocab_size {config.vocab_size}, but the tokenizer files are GPT-2's, "
                           f"with {GPT2_VOCAB} tokens")
     dtype = args.dtype or formats.MODEL_VERSIONS[version]
-    bfloat16 = extra("ml_dtypes").bfloat16 if dtype == "bf16" else None
+    bfloat16 = optional("ml_dtypes", "weights").bfloat16 if dtype == "bf16" else None
     tokenizer = Tokenizer(args.vocab)
     _, params, _ = formats.read_model(path)
     tensors = hf_tensors(config, params, bfloat16)

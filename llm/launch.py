@@ -9,6 +9,8 @@
   Preemption                 SIGUSR1 in the trainer: finish the step, write a checkpoint, then stop
   stop(message, code)        print one line and end this process and, under a launcher, the whole job
   Parser                     argparse for every command line here: a mistake in the options is one line
+  optional(module, extra)    import a package only some commands need, or say in one line how to install it
+  install(extra)             the pip command that installs one of the optional extras
 
 This module imports neither numpy nor mpi4py when it loads: every module of llm/ may import it, and MPI's
 waiting must be set before mpi4py.MPI starts MPI.
@@ -20,6 +22,7 @@ mpi4py then calls MPI_Finalize at exit, which waits for the others. MPI_Abort en
 import argparse
 import errno
 from functools import partial
+import importlib
 import os
 import signal
 import sys
@@ -236,6 +239,21 @@ class _Stdout:
             self._stream.flush()
         except OSError as e:
             raise StdoutError(e.errno, e.strerror) from None
+
+
+def install(extra):
+    """The command that installs one of pyproject.toml's optional extras (gpu, cudnn, weights, data, plot)."""
+    return f'pip install -e ".[{extra}]"'
+
+
+def optional(module, extra):
+    """Import `module` from a package that only some commands need, one of the optional `extra`'s, which
+    `import llm` never needs. Without it, a UserError: one line that names the package and the command
+    that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"this needs the {module.split('.')[0]} package: {install(extra)}") from None
 
 
 def run(main, memory_advice="use a machine with more memory"):

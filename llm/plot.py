@@ -6,13 +6,13 @@ Reads DIR/main.log, the log train_gpt2.py writes with -o DIR in llm.c's format:
     s:%d eval:%f   HellaSwag accuracy, when the run evaluated it (-h 1)
 and draws train and val loss against step, with HellaSwag accuracy on a second axis when there is any.
 
-Plotting needs matplotlib, an optional extra (pip install '.[plot]'). It is imported only when a figure is
+Plotting needs matplotlib, an optional extra (pip install -e ".[plot]"). It is imported only when a figure is
 drawn, so nothing else in llm/ depends on it, and it draws with Agg, which needs no display.
 """
 import os
 import re
 
-from .launch import Parser, UserError, run
+from .launch import Parser, UserError, optional, run
 
 LINE = re.compile(r"s:(\d+) (trl|tel|eval):(\S+)")
 
@@ -81,13 +81,8 @@ def main(argv):
     if not train and not val:
         raise UserError(f"{log}: no s:N trl:/tel: lines to plot")
     title = f"{os.path.basename(os.path.abspath(args.dir))}: loss against step"
-    try:
-        fig = figure(train, val, evals, title, log_scale=args.log)
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "matplotlib":
-            raise
-        raise UserError("plotting needs matplotlib: pip install '.[plot]' (or pip install "
-                        "matplotlib)") from None
+    optional("matplotlib", "plot")   # before the figure: without it, one line
+    fig = figure(train, val, evals, title, log_scale=args.log)
     out = args.out or os.path.join(args.dir, "loss.png")
     try:
         fig.savefig(out)

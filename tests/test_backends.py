@@ -50,4 +50,4 @@ def test_cupy_without_a_gpu_says_what_to_do():
         pytest.skip("this machine has a usable GPU")
     with pytest.raises(BackendError, match="--backend numpy"):
         get_backend("cupy")
-    assert "pip install .[gpu]" in missing or "none is usable" in missing
+    assert "pip install -e \".[gpu]\"" in missing or "none is usable" in missing

@@ -281,10 +281,10 @@ def test_push_offline_is_one_line_and_keeps_the_export(tmp_path, models):
     (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
     (["--push", "no-user"], "--push no-user: name the Hub repo as USER/REPO"),
     (["--push", "user/repo", "--missing", "huggingface_hub"],
-     "this needs the huggingface_hub package: pip install .[weights]"),
-    (["--missing", "safetensors"], "this needs the safetensors package: pip install .[weights]"),
+     "this needs the huggingface_hub package: pip install -e \".[weights]\""),
+    (["--missing", "safetensors"], "this needs the safetensors package: pip install -e \".[weights]\""),
     (["--dtype", "bf16", "--missing", "ml_dtypes"],
-     "this needs the ml_dtypes package: pip install .[weights]"),
+     "this needs the ml_dtypes package: pip install -e \".[weights]\""),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     formats.write_model(tmp_path / "model.bin", CONFIG, random_params())

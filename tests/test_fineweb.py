@@ -244,7 +244,7 @@ def test_bad_jsonl_line_is_one_line_naming_it(tmp_path, line, problem, workers):
 
 def test_without_datasets_fineweb_itself_says_pip_install_data(tmp_path):
     proc = fineweb(["--out", tmp_path], cwd=tmp_path)
-    assert proc.stderr == "error: this needs the datasets package: pip install .[data]\n"
+    assert proc.stderr == "error: this needs the datasets package: pip install -e \".[data]\"\n"
     assert proc.returncode == 1
 
 
@@ -252,7 +252,7 @@ def test_parquet_without_pyarrow_says_pip_install_data(tmp_path):
     parquet = tmp_path / "docs.parquet"
     parquet.write_bytes(b"PAR1")
     proc = fineweb(["--input", parquet, "--out", tmp_path], cwd=tmp_path)
-    assert proc.stderr == "error: this needs the pyarrow package: pip install .[data]\n"
+    assert proc.stderr == "error: this needs the pyarrow package: pip install -e \".[data]\"\n"
     assert proc.returncode == 1
 
 

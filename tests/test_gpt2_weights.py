@@ -257,10 +257,10 @@ def test_config_json_that_disagrees_with_the_tensors_is_one_line(tmp_path, hf, m
 def test_missing_packages_say_pip_install_weights(tmp_path, model_folder):
     proc = convert(["--input", str(model_folder), "--out", str(tmp_path)], cwd=tmp_path,
                    block=["safetensors"])
-    assert proc.stderr == "error: this needs the safetensors package: pip install .[weights]\n"
+    assert proc.stderr == "error: this needs the safetensors package: pip install -e \".[weights]\"\n"
     assert proc.returncode == 1
     proc = convert(["--out", str(tmp_path)], cwd=tmp_path, block=["huggingface_hub"])
-    assert proc.stderr == "error: this needs the huggingface_hub package: pip install .[weights]\n"
+    assert proc.stderr == "error: this needs the huggingface_hub package: pip install -e \".[weights]\"\n"
     assert proc.returncode == 1
 
 

@@ -153,21 +153,11 @@ def test_attention_backward_overwrites_dqkv(be, rng):
         np.testing.assert_array_equal(dqkv, ref.attention_backward(dout, qkv, att, NH))
 
 
-def test_gelu_forward_writes_and_gelu_backward_overwrites_dinp(be, rng):
-    x, dout = randn(rng, B, T, 4 * C), randn(rng, B, T, 4 * C)
-    out, dinp = nans(B, T, 4 * C), nans(B, T, 4 * C)
+def test_gelu_forward_writes(be, rng):
+    x = randn(rng, B, T, 4 * C)
+    out = nans(B, T, 4 * C)
     be.gelu_forward(out, x)
     np.testing.assert_array_equal(out, ref.gelu_forward(x))
-    for _ in range(2):
-        be.gelu_backward(dinp, x, dout)
-        np.testing.assert_array_equal(dinp, ref.gelu_backward(dout, x))
-
-
-def test_residual_forward_writes_the_sum(be, rng):
-    a, b = randn(rng, B, T, C), randn(rng, B, T, C)
-    out = nans(B, T, C)
-    be.residual_forward(out, a, b)
-    np.testing.assert_array_equal(out, a + b)
 
 
 # ---- the classifier: 3 x 11 = 33 positions, so slices of CLASSIFIER_ROWS = 16 leave a remainder ----

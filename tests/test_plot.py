@@ -111,8 +111,7 @@ def test_missing_matplotlib_is_one_line_and_exit_1(tmp_path):
     run_dir(tmp_path)
     proc = run_plot(["run"], cwd=tmp_path, python_args=("-c", WITHOUT_MATPLOTLIB))
     assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr == ("error: plotting needs matplotlib: pip install '.[plot]' (or pip install "
-                           "matplotlib)\n")
+    assert proc.stderr == 'error: this needs the matplotlib package: pip install -e ".[plot]"\n'
     assert not (tmp_path / "run" / "loss.png").exists()
 
 

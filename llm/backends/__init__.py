@@ -51,8 +51,7 @@ its dinp is the residual stream's gradient, which already holds the skip connect
                                                  probabilities (B,NH,T,T), or flash attention's lse (B,NH,T)
   attention_forward(out, saved, qkv, NH)         qkv (B,T,3C) -> out (B,T,C), causal; saved: the kept buffer
   attention_backward(dqkv, dout, qkv, out, saved, NH)   dqkv (B,T,3C) overwritten; out: the forward's output
-  gelu_forward(out, inp) / gelu_backward(dinp, inp, dout)      tanh GELU; dinp overwritten (dinp may be dout)
-  residual_forward(out, inp1, inp2)              out = inp1 + inp2
+  gelu_forward(out, inp)                         out = gelu(inp), tanh GELU
   fused_classifier(logits, losses, targets, V, dloss)
                     logits (B,T,Vp); losses float32 (B,T) = -log softmax(logits[..., :V])[target].
                     With dloss not None, logits is overwritten by dlogits: (probs - onehot) * dloss
@@ -61,7 +60,7 @@ its dinp is the residual stream's gradient, which already holds the skip connect
                     one contiguous 1-D segment, updated in place; master is None or float32
   sumsq(x)          sum of squares of a 1-D array in float32, as a 0-d backend array (no host sync)
 """
-from llm.launch import UserError
+from llm.launch import UserError, install
 
 PRECISIONS = {"numpy": ("fp32",), "cupy": ("bf16", "fp32")}   # the first is each backend's default
 
@@ -75,7 +74,7 @@ def gpu_missing():
     try:
         import cupy
     except ImportError:
-        return "the cupy backend needs cupy: pip install .[gpu] (or cupy-cuda13x), or use --backend numpy"
+        return f"the cupy backend needs cupy: {install('gpu')} (or cupy-cuda13x), or use --backend numpy"
     try:
         if cupy.cuda.is_available():
             return None

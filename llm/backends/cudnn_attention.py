@@ -7,17 +7,18 @@ its dimensions and strides, so the heads need no permute: q is (B, NH, T, hs) wi
 at the start of qkv, k the same C elements further on and v 2C. One forward and one backward graph are built
 per shape, the first time it is seen, and run on CuPy's current stream.
 
-Needs the nvidia-cudnn-frontend package (pip install .[cudnn]) and cuDNN itself.
+Needs the nvidia-cudnn-frontend package (pip install -e ".[cudnn]") and cuDNN itself.
 """
 import cupy
+
+from llm.launch import install
 
 from . import BackendError
 
 try:
     import cudnn
 except (ImportError, OSError) as e:   # OSError: the package is there but libcudnn is not
-    raise ImportError(f"--attention cudnn needs cuDNN's Python frontend: pip install .[cudnn] "
-                      f"({e})") from None
+    raise ImportError(f"--attention cudnn needs cuDNN's Python frontend: {install('cudnn')} ({e})") from None
 
 Q, K, V, O, STATS, DO, DQ, DK, DV = range(1, 10)   # the uids that bind each graph tensor to a buffer
 

@@ -270,16 +270,10 @@ class CupyBackend:
     def attention_backward(self, dqkv, dout, qkv, out, saved, NH):
         self.attention.backward(dqkv, dout, qkv, out, saved, NH)
 
-    # ---------------------------------------------------------------- gelu, residual
+    # ---------------------------------------------------------------- gelu (fp32's forward; bf16's is in the GEMM)
 
     def gelu_forward(self, out, inp):
         self._elementwise("gelu", "gelu_forward", out, inp)
-
-    def gelu_backward(self, dinp, inp, dout):
-        self._elementwise("gelu", "gelu_backward", dinp, inp, dout)
-
-    def residual_forward(self, out, inp1, inp2):
-        self._elementwise("residual", "residual_forward", out, inp1, inp2)
 
     # ---------------------------------------------------------------- classifier
 

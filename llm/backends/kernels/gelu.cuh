@@ -1,6 +1,6 @@
 // GELU, tanh approximation (GPT-2's): y = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), and its
 // derivative dy/dx = 0.5 (1 + tanh u) + 0.5 x sech^2(u) sqrt(2/pi) (1 + 3 * 0.044715 x^2). gelu.cu's
-// kernels and the MLP's backward (matmul.cu) both use these.
+// forward and the MLP's backward (matmul.cu) both use these.
 // Include it after common.cuh, which defines floatX.
 #define GELU_SCALE 0.7978845608028654f  // sqrt(2 / pi)
 
