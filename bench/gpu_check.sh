@@ -2,7 +2,7 @@
 # One pass on a GPU machine: versions, the backend's op checks, test_gpt2 in fp32 and bf16, and the d12
 # throughput benchmark beside torch.compile's. Logs go to $OUT (or ./gpu_logs).
 # Usage: bash bench/gpu_check.sh [stage ...]
-# stages: env attn ops test opsbench table bench small torch d48 zero train mpi ckpt hf
+# stages: env attn ops test opsbench table bench small torch d48 d48max zero train mpi ckpt hf
 # (default: env ops test table)
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
@@ -44,14 +44,26 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
       timeout 200 python3 -m bench.step --backend cupy --model d12 -b 4 -t 1024 --steps 20 $opts 2>&1 |
         tee -a "$OUT/small.log" | grep -E "^d12|median|memory"
     done ;;
-  d48)     # GPT-2 1.5B, B=16: ours beside torch.compile's; and B=60, the largest batch known to fit ours
+  d48)     # GPT-2 1.5B, B=16: ours beside torch.compile's
     timeout 300 python3 -m bench.step --backend cupy --model d48 -b 16 -t 1024 --steps 3 > "$OUT/d48.log" 2>&1
     timeout 400 python3 -m bench.torch_gpt2 --model d48 -b 16 -t 1024 --steps 6 > "$OUT/d48_torch.log" 2>&1
     python3 -m bench.table "this project, d48 B=16=$OUT/d48.log" \
       "torch.compile, d48 B=16=$OUT/d48_torch.log" \
-      --yardstick "torch.compile, d48 B=16" --limit 80460   # 790 TFLOP/s over d48's 9.82 GFLOP a token
-    timeout 300 python3 -m bench.step --backend cupy --model d48 -b 60 -t 1024 --steps 2 2>&1 |
-      tee "$OUT/d48_b60.log" | grep -E "^d48|median|memory|rror" ;;
+      --yardstick "torch.compile, d48 B=16" --limit 80460 ;;  # 790 TFLOP/s over d48's 9.82 GFLOP a token
+  d48max)  # the largest d48 batch that fits: ours (-r 1) from the top down, since our memory estimate
+           # refuses a batch that does not fit at once; torch.compile's from B=16 up, since it finds out
+           # only after compiling: each up to the first batch that does not fit
+    for B in 64 62 60 58 56; do
+      timeout 300 python3 -m bench.step --backend cupy --model d48 -b $B -t 1024 --steps 2 \
+        > "$OUT/d48max_b$B.log" 2>&1
+      grep -E "^error|^median|^memory" "$OUT/d48max_b$B.log" | sed "s/^/ours B=$B: /"
+      grep -q "^median" "$OUT/d48max_b$B.log" && break
+    done
+    for B in 24 32 40 48; do
+      timeout 400 python3 -m bench.torch_gpt2 --model d48 -b $B -t 1024 --steps 2 > "$OUT/d48max_torch_b$B.log" 2>&1
+      tail -1 "$OUT/d48max_torch_b$B.log" | sed "s/^/torch.compile B=$B: /"
+      grep -q "median" "$OUT/d48max_torch_b$B.log" || break
+    done ;;
   table)   # the headline, one call: ours (flash, cuDNN) beside torch.compile as nanoGPT writes it, d12 B=64
     for opts in "" "--attention cudnn"; do
       timeout 200 python3 -m bench.step --backend cupy --model d12 -b 64 -t 1024 --steps 8 $opts \

@@ -17,7 +17,7 @@ import time
 from bench import needs
 from bench.gpu_memory import GpuMemoryPeak
 from llm.config import GPT2Config
-from llm.launch import Parser, run
+from llm.launch import Parser, UserError, run
 
 needs("torch")
 import torch  # noqa: E402
@@ -104,15 +104,18 @@ def main(argv):
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    for _ in range(3):   # compiles
-        step()
     times = []
-    with GpuMemoryPeak(torch.cuda.current_device()) as peak:
-        for _ in range(args.steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = step()
-            times.append((time.perf_counter() - t0) * 1000)
+    try:
+        for _ in range(3):   # compiles
+            step()
+        with GpuMemoryPeak(torch.cuda.current_device()) as peak:
+            for _ in range(args.steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                loss = step()
+                times.append((time.perf_counter() - t0) * 1000)
+    except torch.OutOfMemoryError:   # how bench/gpu_check.sh's d48max stage finds the largest batch
+        raise UserError(f"{args.model} B={B} T={T}: out of GPU memory") from None
     ms = statistics.median(times)
     mode = "eager" if args.no_compile else "torch.compile"
     print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} loss={args.loss} {args.model} B={B} T={T} "

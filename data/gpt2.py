@@ -1,8 +1,10 @@
-"""GPT-2's released weights as llm.c's files: gpt2_124M.bin (fp32), gpt2_124M_bf16.bin, gpt2_tokenizer.bin.
+"""GPT-2's released weights as llm.c's files: gpt2_124M.bin (fp32), gpt2_124M_bf16.bin, gpt2_tokenizer.bin,
+and with --debug-state gpt2_124M_debug_state.bin.
 
   python -m data.gpt2                                        download gpt2 (124M) from Hugging Face
   python -m data.gpt2 --model gpt2-xl                        gpt2_1558M.bin and gpt2_1558M_bf16.bin
   python -m data.gpt2 --input gpt2/ --vocab gpt2.tiktoken    offline: a model folder, or its model.safetensors
+  python -m data.gpt2 --debug-state                          also the debug state that test_gpt2.py checks
 
 This is what llm.c's train_gpt2.py exports after loading GPT2LMHeadModel, without PyTorch: the tensors of
 Hugging Face's model.safetensors, laid out in llm/layout.py's flat order. llm/hf.py says what changes on the
@@ -14,6 +16,12 @@ from wpe's rows. NH is --heads, else n_head of a config.json beside the weights,
 GPT-2 has head size 64). --model names the size expected and the files written; without it, a local
 model is named after its size (gpt2_124M.bin), or its descriptor for other sizes (gpt2_d2c64h4.bin).
 Needs the optional packages: pip install -e ".[weights]".
+
+--debug-state also writes what llm.c's train_gpt2.py writes for its tests: the first batch of tiny
+Shakespeare's val split (B=4, T=64; python -m data.tinyshakespeare writes it) with the model's logits, loss
+and gradients on it. llm.c computes them with PyTorch; here they come from reference/ in float64. Then
+`test_gpt2.py -e gpt2_124M.bin -ds gpt2_124M_debug_state.bin` checks the trainer against them and against
+the losses llm.c's test prints, and llm.c's own test_gpt2 reads the file as well.
 """
 import json
 import os
@@ -21,13 +29,15 @@ import re
 
 import numpy as np
 
-from data import PrepError, arguments, first_line, quiet_hub_retries
+from data import REPO, PrepError, arguments, first_line, quiet_hub_retries
 from llm import formats
+from llm.backends.numpy_backend import host_memory_available
 from llm.config import DEPTHS, ConfigError, GPT2Config
 from llm.hf import CONFIG_SIZES, LM_HEAD, MASK_BUFFER, PREFIX, WEIGHTS, hf_views
 from llm.launch import optional, run
 from llm.layout import ParamViews
 from llm.tokenizer import Tokenizer
+from reference import gpt2 as ref
 
 # Hugging Face model -> (llm.c's name for its size, L); llm.config.DEPTHS gives its C and NH
 MODELS = {"gpt2": ("124M", 12), "gpt2-medium": ("355M", 24), "gpt2-large": ("774M", 36),
@@ -38,6 +48,10 @@ NAMED = {name: GPT2Config(num_layers=L, channels=DEPTHS[L][0], num_heads=DEPTHS[
 HUB = "openai-community"
 HEAD_SIZE = 64
 VOCAB_MULTIPLE = 128
+# llm.c's train_gpt2.py writes its debug state from its first batch, at its defaults
+DEBUG_DATA = os.path.join(REPO, "data", "tinyshakespeare", "tiny_shakespeare_val.bin")
+DEBUG_B, DEBUG_T = 4, 64
+DEBUG_BYTES_PER_PARAMETER = 40   # the float64 parameters and gradients, and their float32 copies, with room
 
 
 def locate(path):
@@ -180,6 +194,42 @@ def read_weights(path, config_json, heads, model):
     return config, params, name
 
 
+def debug_batch(shard, config):
+    """The first B*T+1 tokens of `shard` as llm.c's loader gives them: x, and y = x shifted by one. Checked,
+    with the memory the reference needs, before any file is written."""
+    need, available = DEBUG_BYTES_PER_PARAMETER * config.num_parameters, host_memory_available()
+    if available is not None and need > available:
+        raise PrepError(f"--debug-state: the reference's float64 pass over {config.num_parameters:,} "
+                        f"parameters needs about {need / 2**30:.1f} GiB, and {available / 2**30:.1f} GiB "
+                        f"are available: leave it out, or use a machine with more memory")
+    T = min(DEBUG_T, config.max_seq_len)
+    if not os.path.exists(shard):
+        raise PrepError(f"--debug-state {shard}: no such file: python -m data.tinyshakespeare writes it")
+    tokens = formats.read_shard(shard)
+    if len(tokens) < DEBUG_B * T + 1:
+        raise PrepError(f"--debug-state {shard}: {len(tokens)} tokens, the debug batch needs "
+                        f"{DEBUG_B * T + 1} (B={DEBUG_B}, T={T})")
+    batch = np.array(tokens[:DEBUG_B * T + 1], dtype=np.int32)
+    if batch.max() >= config.vocab_size:
+        raise PrepError(f"--debug-state {shard}: token id {batch.max()} is outside the model's vocab "
+                        f"0..{config.vocab_size - 1}")
+    return batch[:-1].reshape(DEBUG_B, T), batch[1:].reshape(DEBUG_B, T)
+
+
+def write_debug_state(path, config, params, x, y):
+    """llm.c's debug state: the batch x, y with reference/'s float64 logits (the V real columns), mean loss
+    and gradients (llm.c's flat layout, wte's padding rows 0) of the model on it."""
+    print(f"computing the debug state of B={x.shape[0]}, T={x.shape[1]} with reference/ in float64")
+    p = {name: view.astype(np.float64) for name, view in ParamViews(params, config)}
+    logits, loss, cache = ref.gpt2_forward(p, config, x, y)
+    grads = ref.gpt2_backward(p, config, cache)
+    flat = np.zeros(config.num_parameters, dtype=np.float32)
+    for name, view in ParamViews(flat, config):
+        view[...] = grads[name]
+    print(f"writing {path} (loss {loss:.6f})")
+    formats.write_debug_state(path, x, y, logits[..., :config.vocab_size], loss, flat)
+
+
 def main(argv):
     parser = arguments(__doc__.splitlines()[0], f"{HUB}/<model>'s {WEIGHTS}", "",
                        input_help=f"a {WEIGHTS} file, or a model folder holding one")
@@ -187,6 +237,9 @@ def main(argv):
                         help="which GPT-2: names the files and checks the sizes (default: gpt2 for a "
                              "download; for --input, the sizes the weights have)")
     parser.add_argument("--heads", type=int, help="NH, when there is no config.json and C / 64 is not right")
+    parser.add_argument("--debug-state", nargs="?", const=DEBUG_DATA, metavar="SHARD",
+                        help="also write llm.c's debug state for test_gpt2.py, from the first batch of SHARD "
+                             "(default: data/tinyshakespeare/tiny_shakespeare_val.bin)")
     args = parser.parse_args(argv)
     if args.heads is not None and args.heads < 1:
         raise PrepError(f"--heads {args.heads}: a model has at least 1 head")
@@ -197,6 +250,7 @@ def main(argv):
         model = args.model or "gpt2"
         path, config_json = download(model), None
     config, params, name = read_weights(path, config_json, args.heads, model)
+    batch = debug_batch(args.debug_state, config) if args.debug_state else None
     tokenizer = Tokenizer(args.vocab)
     os.makedirs(args.out, exist_ok=True)
     print(f"GPT-2 {name}: L={config.num_layers}, C={config.channels}, NH={config.num_heads}, "
@@ -209,6 +263,8 @@ def main(argv):
     out = os.path.join(args.out, "gpt2_tokenizer.bin")
     print(f"writing the bytes of {tokenizer.enc.n_vocab:,} tokens to {out}")
     tokenizer.write_tokenizer_file(out)
+    if batch is not None:
+        write_debug_state(os.path.join(args.out, f"gpt2_{name}_debug_state.bin"), config, params, *batch)
 
 
 if __name__ == "__main__":

@@ -8,15 +8,18 @@ here directly on HF's tensors, x @ W with W (in, out)."""
 import json
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from conftest import REPO, env
 from llm import formats
 from llm.config import GPT2_PADDED, GPT2Config
 from llm.layout import ParamViews
 from prep_scripts import VOCAB, assert_one_line_error, needs_vocab, run_script
-from reference.gpt2 import gpt2_forward
+from reference.gpt2 import gpt2_backward, gpt2_forward
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -291,3 +294,53 @@ def test_offline_download_is_one_line_saying_pass_input(tmp_path):
     assert_one_line_error(proc, "error: cannot download openai-community/gpt2-xl (Name or service not "
                                 "known): pass --input PATH to a local model.safetensors or a model folder "
                                 "holding one")
+
+
+# ---- --debug-state: llm.c's debug state, computed by reference/ in float64 ----
+
+def token_shard(tmp_path, tokens):
+    path = tmp_path / "val.bin"
+    formats.write_shard(path, np.asarray(tokens, dtype=np.uint16))
+    return path
+
+
+@needs_vocab
+def test_debug_state_is_the_references_first_batch_and_test_gpt2_passes_against_it(tmp_path, model_folder):
+    tokens = np.random.default_rng(2).integers(0, V, 4 * maxT + 10)
+    shard = token_shard(tmp_path, tokens)
+    out = tmp_path / "out"
+    proc = convert(["--input", str(model_folder), "--vocab", VOCAB, "--out", str(out), "--debug-state", str(shard)],
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    config, params, _ = formats.read_model(out / "gpt2_d2c64h4.bin")
+    state = formats.read_debug_state(out / "gpt2_d2c64h4_debug_state.bin", config)
+    np.testing.assert_array_equal(state["x"], tokens[:4 * maxT].reshape(4, maxT))      # T = maxT = 32 < 64
+    np.testing.assert_array_equal(state["y"], tokens[1:4 * maxT + 1].reshape(4, maxT))
+    p = {name: view.astype(np.float64) for name, view in ParamViews(params, config)}
+    logits, loss, cache = gpt2_forward(p, config, state["x"], state["y"])
+    assert state["loss"] == np.float32(loss) and 5 < loss < 20                          # float64, stored as float32
+    np.testing.assert_array_equal(state["logits"], logits[..., :V].astype(np.float32))
+    grads = ParamViews(state["grads"], config)
+    want = gpt2_backward(p, config, cache)
+    for name in ("wte", "qkvw", "fcprojb", "lnfw"):
+        np.testing.assert_array_equal(getattr(grads, name), want[name].astype(np.float32))
+    assert np.abs(grads.wte[:V]).max() > 0 and np.all(grads.wte[V:] == 0)
+
+    check = subprocess.run([sys.executable, os.path.join(REPO, "test_gpt2.py"), "--backend", "numpy",
+                            "-e", str(out / "gpt2_d2c64h4.bin"), "-ds", str(out / "gpt2_d2c64h4_debug_state.bin")],
+                           cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0 and check.stdout.rstrip().endswith("overall okay: 1"), check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("tokens, problem", [
+    (None, "no such file: python -m data.tinyshakespeare writes it"),
+    (np.arange(4 * maxT), f"{4 * maxT} tokens, the debug batch needs {4 * maxT + 1} (B=4, T={maxT})"),
+    (np.full(4 * maxT + 1, 60000), f"token id 60000 is outside the model's vocab 0..{V - 1}"),
+])
+def test_a_debug_batch_that_cannot_be_read_is_one_line_before_any_file_is_written(tmp_path, model_folder, tokens,
+                                                                                   problem):
+    shard = tmp_path / "val.bin" if tokens is None else token_shard(tmp_path, tokens)
+    out = tmp_path / "out"
+    proc = convert(["--input", str(model_folder), "--out", str(out), "--debug-state", str(shard)], cwd=tmp_path)
+    assert_one_line_error(proc, f"--debug-state {shard}: {problem}")
+    assert not out.exists()
