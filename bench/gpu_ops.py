@@ -136,8 +136,9 @@ def main(argv):
     bench("gelu_forward", lambda: be.gelu_forward(h, dh), 2 * N * 4 * C * s)   # fp32's; bf16: in the GEMM
     bench("fused_classifier", lambda: be.fused_classifier(logits, losses, targets, V, 1.0 / N),
           2 * N * Vp * s, per_step=1)
+    no_clip = be.asarray(np.array(1.0, np.float32))   # adamw's grad_scale, a device scalar
     bench("adamw (all params)",
-          lambda: be.adamw(params, grads, m, v, master, 1e-4, BETA1, BETA2, EPS, 0.1, 1, 1.0),
+          lambda: be.adamw(params, grads, m, v, master, 1e-4, BETA1, BETA2, EPS, 0.1, 1, no_clip),
           num_params * (3 * s + 16 + (8 if master is not None else 0)), per_step=1)
     bench("sumsq (all grads)", lambda: be.sumsq(grads), num_params * s, per_step=1)
 

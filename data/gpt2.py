@@ -1,5 +1,4 @@
-"""GPT-2's released weights as llm.c's files: gpt2_124M.bin (fp32), gpt2_124M_bf16.bin, gpt2_tokenizer.bin,
-and with --debug-state gpt2_124M_debug_state.bin.
+"""GPT-2's released weights as llm.c's files: gpt2_124M.bin (fp32), gpt2_124M_bf16.bin, gpt2_tokenizer.bin.
 
   python -m data.gpt2                                        download gpt2 (124M) from Hugging Face
   python -m data.gpt2 --model gpt2-xl                        gpt2_1558M.bin and gpt2_1558M_bf16.bin

@@ -5,7 +5,7 @@
   NCCLComm     several processes, one GPU each, through cupy.cuda.nccl on device arrays
 
 Every communicator offers, on contiguous 1-D buffers:
-  all_reduce_avg(buf)                        in place
+  all_reduce_avg(buf), all_reduce_sum(buf)   in place
   reduce_scatter_avg(flat, shard)            shard (len S) = average over ranks of flat[rank*S:(rank+1)*S];
                                              shard may be that very slice of flat
   all_gather(shard, flat)                    flat[r*S:(r+1)*S] = rank r's shard; shard may be its own slice
@@ -34,6 +34,9 @@ class SingleComm:
     name = "single process"
 
     def all_reduce_avg(self, buf):
+        pass
+
+    def all_reduce_sum(self, buf):
         pass
 
     def reduce_scatter_avg(self, flat, shard):
@@ -98,9 +101,16 @@ class MPIComm:
             buf[...] = host
 
     def all_reduce_avg(self, buf):
+        self._all_reduce(buf, average=True)
+
+    def all_reduce_sum(self, buf):
+        self._all_reduce(buf, average=False)
+
+    def _all_reduce(self, buf, average):
         host = self._to_host(buf)
         self.comm.Allreduce(self.MPI.IN_PLACE, host, op=self.MPI.SUM)
-        host /= self.world_size
+        if average:
+            host /= self.world_size
         self._from_host(buf, host)
 
     def reduce_scatter_avg(self, flat, shard):
@@ -158,6 +168,10 @@ class NCCLComm:
 
     def all_reduce_avg(self, buf):
         self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), self.nccl.NCCL_AVG,
+                            self._stream())
+
+    def all_reduce_sum(self, buf):
+        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), self.nccl.NCCL_SUM,
                             self._stream())
 
     def reduce_scatter_avg(self, flat, shard):

@@ -53,6 +53,12 @@ class UpdateGuard:
         self.loss_window, self.norm_window = OutlierDetector(), OutlierDetector()
         self.nonfinite_streak = 0   # non-finite steps in a row, up to the last one checked
 
+    @property
+    def uses_z_scores(self):
+        """Whether a finite step can be skipped too (-sl, -sg): then the update waits for check(). Without
+        them it skips only non-finite steps, as the device itself does (llm/zero.py:clip_scale)."""
+        return bool(self.loss_threshold or self.norm_threshold)
+
     def check(self, loss, grad_norm):
         """-> (loss z-score, norm z-score, why the update is skipped, or None to go ahead)."""
         loss_z, norm_z = self.loss_window.update(loss), self.norm_window.update(grad_norm)

@@ -2,10 +2,14 @@
 
 It reads as llm.c's main loop: forward and backward for each micro-batch (the gradients accumulate),
 then reduce the gradients across ranks, take their global norm, clip, update and gather.
+
+The update is queued before the host reads the loss and the norm: the device computes the clipping
+factor from the norm, and skips a step whose loss or norm is not finite, by itself. So the GPU goes
+straight from the gradients to AdamW, and runs it while the host reads, prints and queues the next step.
+Only the -sl/-sg guard, whose z-scores compare the step with the last 128 on the host, makes the update
+wait for the host's verdict.
 """
 from dataclasses import dataclass
-
-from .zero import clip_scale
 
 
 @dataclass
@@ -29,12 +33,18 @@ def train_step(model, optimizer, batches, lr, t, guard):
     for inputs, targets in batches:
         model.forward(inputs)
         losses = model.backward(targets, dloss=1.0 / positions)   # the mean over the step's positions
-        loss_sum = loss_sum + losses.sum()   # stays on the device until the norm is read
+        loss_sum = loss_sum + losses.sum()   # stays on the device
     optimizer.reduce_gradients()
-    grad_norm = optimizer.grad_norm()   # the step's one wait for the device: the loss sum is ready by then
-    loss = optimizer.comm.scalar_avg(float(loss_sum)) / positions
-    loss_z, norm_z, skipped = guard.check(loss, grad_norm)
-    if skipped is None:
-        optimizer.update(lr, t, grad_scale=clip_scale(grad_norm))
+    stats = optimizer.loss_and_norm(loss_sum)   # on the device too, summed over the ranks
+    if guard.uses_z_scores:   # -sl/-sg: the update waits for the host's verdict
+        loss, grad_norm = optimizer.read(stats, positions)
+        loss_z, norm_z, skipped = guard.check(loss, grad_norm)
+        if skipped is None:
+            optimizer.update(lr, t, stats)
+            optimizer.gather_params()
+    else:   # queued at once; the device skips a non-finite step itself, as guard.check then reports
+        optimizer.update(lr, t, stats)
         optimizer.gather_params()
+        loss, grad_norm = optimizer.read(stats, positions)   # the step's one wait for the device
+        loss_z, norm_z, skipped = guard.check(loss, grad_norm)
     return StepResult(loss, grad_norm, loss_z, norm_z, skipped)

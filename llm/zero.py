@@ -15,9 +15,12 @@ tensor and per layer as llm.c does today. One contiguous range means one reduce-
 and one all-gather per step, and any N works: padding replaces llm.c's demand that N divide every
 tensor's per-layer size.
 
-The step's order, as llm.c's main loop: reduce_gradients, grad_norm, clip (clip_scale), update, gather_params.
-llm/step.py runs them.
+The step's order, as llm.c's main loop: reduce_gradients, the loss and the norm (loss_and_norm), clip
+(clip_scale), update, gather_params. llm/step.py runs them. The loss and the norm stay on the device, and so
+does the clipping factor computed from them, so that the update can be queued before the host has read
+either (read).
 """
+from dataclasses import dataclass
 import math
 
 import numpy as np
@@ -29,6 +32,14 @@ from .layout import decay_segments
 GRAD_CLIP = 1.0   # the global gradient norm is clipped to this
 
 
+@dataclass
+class StepStats:
+    """The step's loss sum and squared gradient norm (ZeroOptimizer.loss_and_norm): on the device for the
+    update, and on their way to the host for read()."""
+    device: object   # float32 (2,) backend array
+    host: object     # backend.fetch's waiter: () -> the same two values as a host array
+
+
 def padded_size(num_parameters, world_size, zero_stage):
     """The length of the flat buffers (params, grads, m, v): at -z 1 num_parameters rounded up to a
     multiple of world_size, so that every rank's shard has the same length; else num_parameters.
@@ -37,9 +48,15 @@ def padded_size(num_parameters, world_size, zero_stage):
     return -(-num_parameters // multiple) * multiple
 
 
-def clip_scale(grad_norm, clip=GRAD_CLIP):
-    """The factor AdamW multiplies each gradient by so that the global norm is at most `clip`."""
-    return clip / grad_norm if grad_norm > clip else 1.0
+def clip_scale(xp, stats, clip=GRAD_CLIP):
+    """The factor AdamW multiplies each gradient by so that the global norm is at most `clip`, from
+    loss_and_norm's stats, as a 0-d float32 array computed where they are (xp: numpy or cupy) without the
+    host: clip / norm above clip, else 1 (clip / max(norm, clip) is both), in float64 as the host would.
+    NaN when the loss or the norm is not finite: AdamW then leaves everything as it is, since one NaN
+    would otherwise turn every parameter into NaN."""
+    norm = xp.sqrt(stats[1].astype(xp.float64))
+    finite = xp.isfinite(stats[0]) & xp.isfinite(norm)
+    return xp.where(finite, clip / xp.maximum(norm, clip), xp.nan).astype(xp.float32)
 
 
 class ZeroOptimizer:
@@ -91,15 +108,32 @@ class ZeroOptimizer:
         else:
             self.comm.all_reduce_avg(self.model.grads_flat)
 
-    def grad_norm(self):
-        """Global L2 norm of the averaged gradients (one host sync)."""
-        sumsq = float(self.model.backend.sumsq(self.grad_shard))
-        return math.sqrt(self.comm.scalar_sum(sumsq) if self.stage == 1 else sumsq)
+    def loss_and_norm(self, loss_sum):
+        """StepStats: [the sum of every rank's loss_sum, the squared global norm of the averaged gradients],
+        a float32 (2,) array on the device, with no wait for it, and its copy to the host under way. The
+        squared norm is the sum of the ranks' parts: at -z 1 each shard's; at -z 0 every rank holds all the
+        gradients, so rank 0's sum is the norm and the others add zero."""
+        be = self.model.backend
+        sumsq = be.sumsq(self.grad_shard)
+        if self.stage == 0 and self.comm.rank > 0:
+            sumsq = be.xp.zeros_like(sumsq)
+        stats = be.xp.stack([be.xp.asarray(loss_sum, dtype=np.float32), sumsq])
+        self.comm.all_reduce_sum(stats)
+        return StepStats(stats, be.fetch(stats))
 
-    def update(self, lr, t, grad_scale):
-        """AdamW on this rank's shard, t the 1-based step, each gradient times grad_scale (the clipping)."""
+    def read(self, stats, positions):
+        """(mean loss over the step's positions on every rank, global gradient norm) from loss_and_norm's
+        stats, as host floats: the step's wait for the device, which waits for them alone, not for the
+        update queued after them."""
+        loss_sum, sumsq = (float(x) for x in stats.host())
+        return loss_sum / (positions * self.comm.world_size), math.sqrt(sumsq)
+
+    def update(self, lr, t, stats):
+        """AdamW on this rank's shard, t the 1-based step, each gradient times clip_scale(stats), the
+        clipping; nothing changes when the loss or the norm is not finite. Queued without a wait."""
         be = self.model.backend
         params, grads = self.param_shard, self.grad_shard
+        grad_scale = clip_scale(be.xp, stats.device)
         if self.master is not None and not self.master_ready:
             self.master[...] = params   # widened element by element, with no float32 temporary
             self.master_ready = True

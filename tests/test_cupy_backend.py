@@ -328,13 +328,14 @@ def test_adamw_updates_param_m_v_and_master(gpu, use_master):
     n = 10_001  # odd: a segment need not be a multiple of anything
     param, grad = rounded(gpu, randn(rng, n)), rounded(gpu, randn(rng, n, scale=0.1))
     m, v = randn(rng, n, scale=0.01), np.abs(randn(rng, n, scale=1e-4))
-    hyper = (1e-2, 0.9, 0.95, 1e-8, 0.1, 3, 0.5)  # lr, beta1, beta2, eps, weight_decay, t, grad_scale
+    hyper = (1e-2, 0.9, 0.95, 1e-8, 0.1, 3)  # lr, beta1, beta2, eps, weight_decay, t
+    scale = np.array(0.5, np.float32)          # grad_scale, a 0-d array where the backend computes
     ref = [param.copy(), m.copy(), v.copy()]
-    REF.adamw(ref[0], grad, ref[1], ref[2], None, *hyper)
+    REF.adamw(ref[0], grad, ref[1], ref[2], None, *hyper, scale)
     g_param, g_grad = gpu.asarray(param, gpu.dtype), gpu.asarray(grad, gpu.dtype)
     g_m, g_v = gpu.asarray(m), gpu.asarray(v)
     g_master = gpu.asarray(param) if use_master else None
-    gpu.adamw(g_param, g_grad, g_m, g_v, g_master, *hyper)
+    gpu.adamw(g_param, g_grad, g_m, g_v, g_master, *hyper, gpu.asarray(scale))
     errors = {"param": rel_err(gpu.to_numpy(g_param), ref[0]),
               "m": rel_err(gpu.to_numpy(g_m), ref[1]), "v": rel_err(gpu.to_numpy(g_v), ref[2])}
     if use_master:
@@ -345,6 +346,17 @@ def test_adamw_updates_param_m_v_and_master(gpu, use_master):
           + ", ".join(f"{k} {e:.2e}" for k, e in errors.items()))
     assert errors.pop("param") < TOL[gpu.precision]
     assert max(errors.values()) < 1e-5  # m, v and master are fp32 in both precisions
+
+
+def test_adamw_with_a_nan_grad_scale_changes_nothing(gpu):
+    """NaN is clip_scale's answer for a step with a non-finite loss or norm, read on the device."""
+    rng = np.random.default_rng(9)
+    param, grad, m, v = (gpu.asarray(randn(rng, 1000), dtype) for dtype in (gpu.dtype, gpu.dtype, None, None))
+    master = gpu.asarray(gpu.to_numpy(param)) if gpu.precision == "bf16" else None
+    before = [gpu.to_numpy(x) for x in (param, m, v)]
+    gpu.adamw(param, grad, m, v, master, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3, gpu.asarray(np.array(np.nan, np.float32)))
+    for got, old in zip((param, m, v), before):
+        np.testing.assert_array_equal(gpu.to_numpy(got), old)
 
 
 def test_sumsq_is_float32_deterministic_and_takes_unaligned_segments(gpu):

@@ -528,7 +528,10 @@ def test_a_run_that_ends_with_a_non_finite_loss_exits_non_zero(shards):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
-def test_non_finite_loss_never_reaches_the_weights():
+@pytest.mark.parametrize("z_scores", [False, True])
+def test_non_finite_loss_never_reaches_the_weights(z_scores):
+    """Without -sl/-sg the update is queued before the host reads the loss, and skips itself (a NaN
+    clipping factor); with them the host decides first."""
     from llm.backends import get_backend
     from llm.comm import SingleComm
     from llm.layout import ParamViews
@@ -543,7 +546,9 @@ def test_non_finite_loss_never_reaches_the_weights():
     model.load_params(params)
     optimizer = ZeroOptimizer(model, SingleComm(), 0, 0.0)
     tokens = np.random.default_rng(0).integers(0, 50257, (2, 9)).astype(np.int32)
-    result = train_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])], 1e-3, 1, UpdateGuard())
+    guard = UpdateGuard(loss_threshold=3.0) if z_scores else UpdateGuard()
+    assert guard.uses_z_scores == z_scores
+    result = train_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])], 1e-3, 1, guard)
     assert result.skipped.startswith("skipping update: non-finite loss nan")
     np.testing.assert_array_equal(model.params_numpy(), params)   # untouched, inf included
 

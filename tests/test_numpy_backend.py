@@ -202,10 +202,10 @@ def test_adamw_in_chunks_over_a_segment_equals_one_reference_update(be, rng, mon
     flat_m, flat_v = 0.1 * randn(rng, 1200), (0.1 * randn(rng, 1200)) ** 2
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     want_p, want_m, want_v = ref.adamw_update(flat_param[lo:hi], flat_grad[lo:hi], flat_m[lo:hi],
-                                              flat_v[lo:hi], t=3, grad_scale=0.8, **hyper)
+                                              flat_v[lo:hi], t=3, grad_scale=np.float32(0.8), **hyper)
     before = [a.copy() for a in (flat_param, flat_grad, flat_m, flat_v)]
-    be.adamw(flat_param[lo:hi], flat_grad[lo:hi], flat_m[lo:hi], flat_v[lo:hi], None, t=3, grad_scale=0.8,
-             **hyper)
+    be.adamw(flat_param[lo:hi], flat_grad[lo:hi], flat_m[lo:hi], flat_v[lo:hi], None, t=3,
+             grad_scale=np.array(0.8, np.float32), **hyper)
     for got, want in zip((flat_param, flat_m, flat_v), (want_p, want_m, want_v)):
         np.testing.assert_array_equal(got[lo:hi], want)     # element-wise: slicing changes no bit
     np.testing.assert_array_equal(flat_grad, before[1])    # the gradient is read only
@@ -213,6 +213,15 @@ def test_adamw_in_chunks_over_a_segment_equals_one_reference_update(be, rng, mon
         np.testing.assert_array_equal(got[:lo], old[:lo])  # nothing outside the segment moves
         np.testing.assert_array_equal(got[hi:], old[hi:])
     assert np.all(flat_param[lo:hi] != before[0][lo:hi])
+
+
+def test_adamw_with_a_nan_grad_scale_changes_nothing(be, rng):
+    """NaN is clip_scale's answer for a step with a non-finite loss or norm."""
+    param, grad, m, v = randn(rng, 300), randn(rng, 300), 0.1 * randn(rng, 300), (0.1 * randn(rng, 300)) ** 2
+    before = [a.copy() for a in (param, m, v)]
+    be.adamw(param, grad, m, v, None, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3, np.array(np.nan, np.float32))
+    for got, old in zip((param, m, v), before):
+        np.testing.assert_array_equal(got, old)
 
 
 def test_sumsq_is_the_sum_of_squares_as_a_float32_scalar(be, rng):

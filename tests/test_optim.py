@@ -3,6 +3,7 @@ rule for diverged runs."""
 import math
 import random
 
+import numpy as np
 import pytest
 
 from llm.outliers import DivergedError, OutlierDetector, UpdateGuard
@@ -50,9 +51,17 @@ def test_unknown_scheduler_is_a_clear_error():
         LRScheduler("cosin", 1e-3, 0, 10, 1.0)
 
 
-def test_clipping_scales_the_norm_down_to_one():
-    assert clip_scale(4.0) == 0.25
-    assert clip_scale(0.5) == 1.0
+def test_clipping_scales_the_norm_down_to_one_and_is_nan_for_a_non_finite_step():
+    """clip_scale takes [loss sum, squared norm] where they are and gives a 0-d float32 there."""
+    def scale(loss, sumsq):
+        out = clip_scale(np, np.array([loss, sumsq], np.float32))
+        assert out.dtype == np.float32 and out.shape == ()
+        return float(out)
+    assert scale(2.0, 16.0) == 0.25                       # norm 4
+    assert scale(2.0, 0.25) == 1.0 and scale(2.0, 1.0) == 1.0 and scale(2.0, 0.0) == 1.0
+    assert scale(2.0, 3.0) == np.float32(1 / math.sqrt(3.0))   # as the host computes it, rounded once
+    for loss, sumsq in ((np.nan, 1.0), (np.inf, 1.0), (2.0, np.inf), (2.0, np.nan)):
+        assert math.isnan(scale(loss, sumsq))
 
 
 def test_outlier_detector_is_nan_until_its_window_fills_then_gives_z_scores():

@@ -165,7 +165,7 @@ def test_zero1_over_a_padded_model_updates_every_parameter_and_refuses_an_unpadd
     from llm.backends import get_backend
     from llm.config import GPT2Config
     from llm.model import GPT2
-    from llm.zero import ZeroOptimizer, padded_size
+    from llm.zero import StepStats, ZeroOptimizer, padded_size
     config = GPT2Config.from_descriptor("d2c64h4")
     P = config.num_parameters
     assert P % 3 != 0
@@ -180,7 +180,8 @@ def test_zero1_over_a_padded_model_updates_every_parameter_and_refuses_an_unpadd
         assert optimizer.hi - optimizer.lo == math.ceil(P / 3)
         model.grads_flat[...] = 1.0
         before = model.params_numpy()
-        optimizer.update(lr=1e-3, t=1, grad_scale=1.0)
+        stats = np.array([1.0, 0.5], np.float32)   # loss sum, norm^2: no clipping
+        optimizer.update(lr=1e-3, t=1, stats=StepStats(stats, lambda: stats))
         changed = model.params_numpy() != before
         assert not changed[:optimizer.lo].any() and not changed[optimizer.hi:].any()
         updated |= changed

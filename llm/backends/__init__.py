@@ -12,6 +12,9 @@ Attributes
   asarray(a, dtype=None)   host numpy array -> backend array (dtype defaults to a's)
   to_numpy(x)   backend array -> numpy array (bf16 becomes float32)
   copy_in(dst, a)   host numpy array a -> the existing backend array dst, same shape and dtype
+  fetch(x)      start copying x to the host behind the work queued so far; returns a function that waits
+                for that copy alone (not for work queued after it) and gives x as a host numpy array of
+                x's dtype
   run(key, work)   run work(), a forward's or a backward's device work; with CUDA graphs on (the cupy backend
                 in bf16, cuda_graph=True) the same key is run, then recorded, then replayed (graphs.py)
   cuda_graph    whether run() records and replays
@@ -57,7 +60,9 @@ its dinp is the residual stream's gradient, which already holds the skip connect
                     With dloss not None, logits is overwritten by dlogits: (probs - onehot) * dloss
                     over the first V columns and 0 over the padding.
   adamw(param, grad, m, v, master, lr, beta1, beta2, eps, weight_decay, t, grad_scale)
-                    one contiguous 1-D segment, updated in place; master is None or float32
+                    one contiguous 1-D segment, updated in place; master is None or float32; grad_scale,
+                    the clipping factor, a 0-d float32 backend array (read where it is, so the update
+                    waits for no host): NaN leaves the segment as it is
   sumsq(x)          sum of squares of a 1-D array in float32, as a 0-d backend array (no host sync)
 """
 from llm.launch import UserError, install

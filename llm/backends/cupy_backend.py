@@ -3,7 +3,8 @@
 Storage is bf16 by default (parameters, gradients, activations), with fp32 arithmetic inside every
 kernel and fp32 accumulation in cuBLAS; AdamW's m, v and master weights, LayerNorm's mean and rstd and
 the losses are fp32. precision="fp32" stores everything in fp32 (matmuls in TF32 when allow_tf32).
-No op synchronizes with the host, and the scratch buffers are allocated once per shape and reused.
+No op synchronizes with the host (the token ids, too, are copied in without a wait), and the scratch
+buffers are allocated once per shape and reused.
 Each launcher sits here beside the math it computes; the compiling, the scratch buffers and the
 cuBLAS calls are in cuda.py, attention in attention.py (one class per algorithm, picked here once),
 CUDA graphs in graphs.py.
@@ -12,6 +13,7 @@ import math
 
 import numpy as np
 import cupy
+import cupyx
 
 from llm.launch import local_ranks
 from .attention import FlashAttention, HopperFlashAttention, NaiveAttention
@@ -47,6 +49,7 @@ class CupyBackend:
         # fp32's attention calls cuBLAS through CuPy, which refuses to be recorded: graphs in bf16 only
         self.cuda_graph = cuda_graph and precision == "bf16"
         self.graphs = GraphCache(self._record)
+        self.pinned = {}   # copy_in's host buffer and its last copy's event, per destination
 
     # ---------------------------------------------------------------- arrays
 
@@ -64,7 +67,33 @@ class CupyBackend:
         return x.get()
 
     def copy_in(self, dst, a):
-        dst.set(a)
+        # Through a page-locked (pinned) host buffer kept for dst: a copy from pinned memory is queued like
+        # a kernel, so the host goes on queueing the step while the GPU still runs the last one. From
+        # pageable memory the copy would first wait for the GPU to finish everything before it. The buffer
+        # is refilled only once its last copy has run (its event).
+        key = (dst.data.ptr, dst.shape, dst.dtype)
+        if key not in self.pinned:
+            self.pinned[key] = (cupyx.empty_pinned(dst.shape, dst.dtype), cupy.cuda.Event(disable_timing=True))
+        host, copied = self.pinned[key]
+        copied.synchronize()
+        host[...] = a
+        dst.set(host, stream=cupy.cuda.get_current_stream())
+        copied.record()
+
+    def fetch(self, x):
+        # into pinned memory, then an event: waiting on the event waits for this copy, where x.get() would
+        # wait for everything queued on the stream, the update after it included
+        x = cupy.ascontiguousarray(x)
+        host, done = cupyx.empty_pinned(x.shape, x.dtype), cupy.cuda.Event(disable_timing=True)
+        runtime = cupy.cuda.runtime
+        runtime.memcpyAsync(host.ctypes.data, x.data.ptr, x.nbytes, runtime.memcpyDeviceToHost,
+                            cupy.cuda.get_current_stream().ptr)
+        done.record()
+
+        def result():
+            done.synchronize()
+            return host
+        return result
 
     def run(self, key, work):
         if self.cuda_graph:
@@ -296,9 +325,12 @@ class CupyBackend:
         n = param.size
         c1, c2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
         f32 = np.float32
+        if grad_scale.dtype != FP32 or grad_scale.shape != ():
+            raise ValueError(f"adamw's grad_scale is a 0-d float32 device array, got {grad_scale.dtype} "
+                             f"{grad_scale.shape}")
         self._kernel("adamw", "adamw")((blocks(n),), (BLOCK,),
                                        (param, grad, m, v, master, n, f32(lr), f32(beta1), f32(beta2),
-                                        f32(c1), f32(c2), f32(eps), f32(weight_decay), f32(grad_scale)))
+                                        f32(c1), f32(c2), f32(eps), f32(weight_decay), grad_scale))
 
     def sumsq(self, x):
         """sum(x^2) in fp32 as a 0-d device array: fixed-size partial sums, then one block adds them."""

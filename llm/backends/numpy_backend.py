@@ -5,6 +5,7 @@ model's buffers: forward outputs and activation gradients are assigned, paramete
 Everything is float32, and the matmuls go to NumPy's BLAS.
 """
 from concurrent.futures import ThreadPoolExecutor
+import math
 import os
 
 import numpy as np
@@ -97,6 +98,10 @@ class NumpyBackend:
 
     def copy_in(self, dst, a):
         dst[...] = a
+
+    def fetch(self, x):
+        x = np.array(x)   # a copy now: later ops cannot change it
+        return lambda: x
 
     cuda_graph = False   # no CUDA graphs on the CPU: run() just runs
 
@@ -203,10 +208,14 @@ class NumpyBackend:
         """In place over one 1-D segment, a slice at a time; master is unused (the params are fp32).
 
         NumPy's element-wise ops use one core and release the GIL, so the slices go to this rank's threads."""
+        scale = float(grad_scale)
+        if math.isnan(scale):   # a non-finite loss or norm: nothing changes
+            return
+
         def update(lo):
             s = slice(lo, lo + ADAMW_CHUNK)
             param[s], m[s], v[s] = ref.adamw_update(param[s], grad[s], m[s], v[s], t, lr, beta1, beta2, eps,
-                                                    weight_decay, grad_scale)
+                                                    weight_decay, scale)
         list(self._pool.map(update, range(0, param.size, ADAMW_CHUNK)))
 
     def sumsq(self, x):

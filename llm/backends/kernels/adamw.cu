@@ -5,15 +5,19 @@
 // p_old is the fp32 master weight when there is one, else the parameter itself. The new value goes to the
 // master (if any) and is rounded to the nearest floatX (ties to even) into the parameter; llm.c rounds
 // stochastically instead, which only changes the low bit now and then.
+// grad_scale, the clipping factor, is read from device memory, where the step computed it from the norm
+// (llm/zero.py:clip_scale), so the update is queued before the host knows the norm. NaN, for a step whose
+// loss or norm is not finite, leaves everything as it is.
 #include "common.cuh"
 
 // One thread per element: n threads. Segments can start anywhere (ZeRO shards), so no packs here.
 extern "C" __global__ void adamw(floatX* param, const floatX* grad, float* m, float* v, float* master,
                                  long long n, float lr, float beta1, float beta2, float c1, float c2,
-                                 float eps, float weight_decay, float grad_scale) {
+                                 float eps, float weight_decay, const float* grad_scale) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const float g = grad_scale * (float)grad[i];
+    const float scale = *grad_scale;
+    if (i >= n || isnan(scale)) return;
+    const float g = scale * (float)grad[i];
     const float mi = beta1 * m[i] + (1.0f - beta1) * g;
     const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
     m[i] = mi;
