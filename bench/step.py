@@ -6,10 +6,12 @@ where one step's time goes.
     options: --model d12 -b B -t T --precision bf16|fp32 --steps 6 -r 1 --attention auto|cudnn
              --cuda-graph 1|0
 
-Prints each step's time, the median as `median 1234.5 ms/step`, tok/s and MFU (llm.c's FLOPs per token
-against the device's peak, where known), memory on the GPU (the pool, and the peak that nvidia-smi saw
-while the steps ran), then a table of one step's time per backend op (that step runs without CUDA graphs,
-so that each op can be timed on its own).
+Prints each step's time (until its loss and norm are read, as the trainer times it) and their median, then
+the time of all the timed steps in a row over their number (`6 steps in a row: 1234.5 ms/step`, what
+bench/table.py reads, and how bench/torch_gpt2.py times torch's), with tok/s and MFU (llm.c's FLOPs per
+token against the device's peak, where known), memory on the GPU (the pool, and the peak that nvidia-smi
+saw while the steps ran), then a table of one step's time per backend op (that step runs without CUDA
+graphs, so that each op can be timed on its own).
 """
 import contextlib
 import statistics
@@ -132,17 +134,20 @@ def bench(args, backend, config, B, T):
           f"activations {model.activations(B, T).nbytes / 2**20:,.0f} MiB")
     for t in (1, 2):   # warm-up: compiles every kernel, fills the memory pool, records the graphs
         print(f"warm-up step {t}: loss {step(t)[0].loss:.4f}")
-    times = []
     with GpuMemoryPeak(backend.xp.cuda.Device().pci_bus_id) if gpu else contextlib.nullcontext() as peak:
+        backend.synchronize()
+        start, times = time.perf_counter(), []
         for t in range(3, 3 + args.steps):
             result, ms = step(t)
             times.append(ms)
             print(f"step {t}: loss {result.loss:.4f} norm {result.grad_norm:.4f} {ms:.1f} ms")
-    ms = statistics.median(times)
+        backend.synchronize()   # the last update
+        ms = (time.perf_counter() - start) * 1000 / args.steps   # as bench/torch_gpt2.py times its steps
     flops = config.flops_per_token(T) * B * T
     peak_flops = backend.peak_flops()
     mfu = f"{100 * flops / (ms / 1000) / peak_flops:.1f}%" if peak_flops else "n/a"
-    print(f"median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | MFU {mfu}")
+    print(f"median {statistics.median(times):.1f} ms/step, {args.steps} steps in a row: {ms:.1f} ms/step | "
+          f"{B * T / ms * 1000:.0f} tok/s | MFU {mfu}")
     if gpu:
         pool = backend.xp.get_default_memory_pool()
         print(f"memory: pool {pool.total_bytes() / 2**20:,.0f} MiB, peak in use by nvidia-smi "

@@ -10,7 +10,7 @@ import re
 
 from llm.launch import Parser, UserError, run
 
-MEDIAN = re.compile(r"median ([\d.]+) ms/step \| (\d+) tok/s")
+STEPS = re.compile(r"steps in a row: ([\d.]+) ms/step \| (\d+) tok/s")
 PEAK = re.compile(r"nvidia-smi (\d+) MiB")
 
 
@@ -20,10 +20,10 @@ def read(path):
         text = open(path).read()
     except OSError as e:
         raise UserError(f"{path}: {e.strerror}") from None
-    medians, peaks = MEDIAN.findall(text), PEAK.findall(text)
-    if not medians:
-        raise UserError(f"{path}: no 'median ... ms/step | ... tok/s' line: did the run finish?")
-    ms, tok_s = medians[-1]
+    steps, peaks = STEPS.findall(text), PEAK.findall(text)
+    if not steps:
+        raise UserError(f"{path}: no 'N steps in a row: ... ms/step | ... tok/s' line: did the run finish?")
+    ms, tok_s = steps[-1]
     return float(ms), int(tok_s), int(peaks[-1]) if peaks else None
 
 

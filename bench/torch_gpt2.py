@@ -8,10 +8,10 @@ Written as nanoGPT's model.py writes it, which is how users run it: bf16 autocas
 scaled_dot_product_attention, tied lm_head, N(0, 0.02) init, and the cross-entropy over all Vp = 50,304
 padded logits (the padded columns carry no targets; --loss sliced takes logits[..., :V] first, a variant
 that costs torch 8-10% more). GELU is llm.c's tanh form, fused AdamW with betas (0.9, 0.95), gradient
-clipping at 1.0: llm.c's step. Prints the median ms/step, tok/s and the peak memory (torch's allocator, and
-nvidia-smi sampled while it runs).
+clipping at 1.0: llm.c's step. The timed steps run back to back, as nanoGPT's loop runs them, with no wait
+for the GPU between them: the time of all of them over their number is the ms/step printed, beside tok/s
+and the peak memory (torch's allocator, and nvidia-smi sampled while it runs).
 """
-import statistics
 import time
 
 from bench import needs
@@ -102,24 +102,24 @@ def main(argv):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss
 
-    times = []
     try:
         for _ in range(3):   # compiles
             step()
         with GpuMemoryPeak(torch.cuda.current_device()) as peak:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             for _ in range(args.steps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
                 loss = step()
-                times.append((time.perf_counter() - t0) * 1000)
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1000 / args.steps
     except torch.OutOfMemoryError:   # how bench/gpu_check.sh's d48max stage finds the largest batch
         raise UserError(f"{args.model} B={B} T={T}: out of GPU memory") from None
-    ms = statistics.median(times)
     mode = "eager" if args.no_compile else "torch.compile"
     print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} loss={args.loss} {args.model} B={B} T={T} "
-          f"bf16: loss {loss:.4f} | median {ms:.1f} ms/step | {B * T / ms * 1000:.0f} tok/s | peak memory: "
+          f"bf16: loss {loss.item():.4f} | {args.steps} steps in a row: {ms:.1f} ms/step | "
+          f"{B * T / ms * 1000:.0f} tok/s | peak memory: "
           f"nvidia-smi {peak.peak_mib} MiB, torch reserved "
           f"{torch.cuda.max_memory_reserved() / 2**20:.0f} MiB")
 
