@@ -117,6 +117,14 @@ FLAGS = {
                         "(0: never)"),
 }
 HELP = ("--help", "-help")   # and -h with no value after it: -h 1 is llm.c's HellaSwag flag
+# llm.c's flags that have no use here, and what to do instead: a command copied from llm.c says so
+LLMC_ONLY = {
+    "-ge": "GELU fusion through cuBLASLt, which the bf16 path here always does: leave it out",
+    "-lg": "NVML's GPU readings every N steps: leave it out, and watch nvidia-smi",
+    **dict.fromkeys(("-pn", "-pr", "-pg", "-pi", "-ps", "-pf"),
+                    "multi-node set-up without MPI: leave it out, and start the ranks with mpirun or srun, "
+                    "which hand NCCL its id through MPI (docs/commands.md)"),
+}
 
 # What main() works out from the flags, set once. parse_args sets the first two; settle() the others, once
 # the ranks, the model and the data are known, and it resolves -d's -1 in total_batch_size.
@@ -152,6 +160,8 @@ def parse_args(argv):
         raise UsageError(f"flag {argv[-1]} has no value (options come in pairs: -flag value)")
     values = {name: default for name, default, _, _, _ in FLAGS.values()}
     for flag, value in zip(flags, argv[1::2]):
+        if flag in LLMC_ONLY:
+            raise UsageError(f"{flag} is llm.c's {LLMC_ONLY[flag]}")
         if flag not in FLAGS:
             raise UsageError(f"unknown flag {flag}")
         name, _, kind, (allowed, what), meaning = FLAGS[flag]

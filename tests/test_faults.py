@@ -72,6 +72,19 @@ def test_every_flag_value_is_checked_before_anything_runs(flag, value, message):
         train_gpt2.parse_args([flag, value])
 
 
+@pytest.mark.parametrize("flag, advice", [
+    ("-ge", "GELU fusion through cuBLASLt, which the bf16 path here always does: leave it out"),
+    ("-lg", "NVML's GPU readings every N steps: leave it out, and watch nvidia-smi"),
+    ("-pi", "multi-node set-up without MPI: leave it out, and start the ranks with mpirun or srun"),
+    ("-pn", "multi-node set-up without MPI"),
+])
+def test_llmc_flags_with_no_use_here_say_what_to_do_instead(flag, advice):
+    """A command copied from llm.c once got only "unknown flag -ge"."""
+    with pytest.raises(train_gpt2.UsageError, match=re.escape(f"{flag} is llm.c's {advice}")):
+        train_gpt2.parse_args(["-b", "4", flag, "1"])
+    assert set(train_gpt2.LLMC_ONLY).isdisjoint(train_gpt2.FLAGS)
+
+
 def test_checkpoint_flags_need_an_output_dir():
     for flag in ("-n", "-y"):
         with pytest.raises(train_gpt2.UsageError, match=f"{flag} 1 needs -o"):
