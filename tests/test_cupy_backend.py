@@ -112,6 +112,25 @@ def test_backend_attributes():
     assert bf16.to_numpy(bf16.asarray(x, bf16.dtype)).tolist() == [1.0, 1.0, 1 + 2 ** -6]
 
 
+def test_copies_in_and_out_keep_the_order_of_the_work_queued_around_them():
+    """copy_in goes through one pinned buffer per destination and fetch reads into pinned memory, neither
+    waiting for the GPU: each copy must still land between the work queued before and after it."""
+    gpu = CupyBackend("bf16")
+    dst, sums = cupy.zeros(1 << 20, np.int32), cupy.zeros(8, np.int64)
+    cupy.cuda.runtime.deviceSynchronize()
+    slow = cupy.ones(1 << 26, np.float32)
+    for _ in range(20):   # queued work, so that the copies below are queued behind it
+        slow *= 1.0
+    for k in range(8):    # a refill of the same pinned buffer each time, with no wait in between
+        gpu.copy_in(dst, np.full(dst.shape, k, np.int32))
+        sums[k] = dst.sum()
+    x = cupy.arange(4, dtype=np.float32)
+    fetched = gpu.fetch(x)
+    x += 10   # queued after the fetch: not in what it gives
+    assert fetched().tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert sums.get().tolist() == [k * (1 << 20) for k in range(8)]
+
+
 def test_encoder_forward_and_backward_accumulate_into_dwte_and_dwpe(gpu, shape):
     rng = np.random.default_rng(1)
     B, T, C = shape["B"], shape["T"], shape["C"]

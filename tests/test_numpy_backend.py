@@ -224,6 +224,13 @@ def test_adamw_with_a_nan_grad_scale_changes_nothing(be, rng):
         np.testing.assert_array_equal(got, old)
 
 
+def test_fetch_gives_the_values_of_the_moment_it_was_called(be):
+    x = np.array([1.5, 2.5], np.float32)
+    fetched = be.fetch(x)
+    x[...] = 7.0   # later work may change x: the fetch keeps what x held
+    assert fetched().tolist() == [1.5, 2.5]
+
+
 def test_sumsq_is_the_sum_of_squares_as_a_float32_scalar(be, rng):
     x = randn(rng, 1000)
     s = be.sumsq(x)
