@@ -11,5 +11,5 @@ def needs(*packages):
     transformers), are installed. A yardstick calls it as it loads, before it imports them."""
     missing = [name for name in packages if find_spec(name) is None]
     if missing:
-        raise SystemExit(f"error: this yardstick needs {' and '.join(missing)} (pip install {' '.join(missing)}), "
-                         f"which the project itself never needs")
+        raise SystemExit(f"error: this yardstick needs {' and '.join(missing)} (pip install "
+                         f"{' '.join(missing)}), which the project itself never needs")

@@ -45,7 +45,8 @@ TEMPORARY_FILE = re.compile(rf"(?:{CHECKPOINT_FILE.pattern})\.\d+\.tmp")
 
 
 class CheckpointError(UserError):
-    """An output directory that cannot be used, or a checkpoint that cannot be written or resumed: one line."""
+    """An output directory that cannot be used, or a checkpoint that cannot be written or resumed: one
+    line."""
 
 
 def model_path(out_dir, step):
@@ -102,11 +103,14 @@ def _writing(out_dir, step):
 def _newest(out_dir):
     """What a user can still resume from, for error messages."""
     step = latest_step(out_dir)
-    return "no earlier checkpoint" if step is None else f"the checkpoint at step {step} is intact: -y 1 resumes it"
+    if step is None:
+        return "no earlier checkpoint"
+    return f"the checkpoint at step {step} is intact: -y 1 resumes it"
 
 
 def delete(out_dir, step):
-    """Remove a checkpoint, DONE first so that it stops counting before its files go; missing files are fine."""
+    """Remove a checkpoint, DONE first so that it stops counting before its files go; missing files are
+    fine."""
     for path in (done_path(out_dir, step), model_path(out_dir, step), state_path(out_dir, step)):
         try:
             os.remove(path)
@@ -136,8 +140,8 @@ def load(out_dir, step, model, optimizer, loader, guard):
     path = state_path(out_dir, step)
     state = formats.read_state(path, model.config.num_parameters)
     if state["step"] != step:
-        raise formats.FormatError(f"{path}: holds the state of step {state['step']}, not of step {step} as its "
-                                  f"name says: the file is damaged")
+        raise formats.FormatError(f"{path}: holds the state of step {state['step']}, not of step {step} "
+                                  f"as its name says: the file is damaged")
     if state["model_checksum"] not in (None, model_checksum):   # None: a state from before checksums
         raise formats.FormatError(f"{model_path(out_dir, step)}: not the model file saved with {path} (the "
                                   f"state records checksum {state['model_checksum']:016x}, the model "
@@ -159,16 +163,16 @@ def _check_data_position(path, state, loader):
     """The saved position counts samples of T+1 tokens in one shuffled (or not) train set: all must match.
     (Files from before seq_len and samples_per_epoch were recorded hold 0 there and are not checked.)"""
     if state["seq_len"] and state["seq_len"] != loader.T:
-        raise CheckpointError(f"{path}: written with -t {state['seq_len']}, and this run has -t {loader.T}: the "
-                              f"saved data position counts samples of T+1 tokens, so resume with "
+        raise CheckpointError(f"{path}: written with -t {state['seq_len']}, and this run has -t {loader.T}: "
+                              f"the saved data position counts samples of T+1 tokens, so resume with "
                               f"-t {state['seq_len']}")
     if state["should_shuffle"] != loader.shuffle:
-        raise CheckpointError(f"{path}: written with -a {int(not state['should_shuffle'])}, and this run has "
-                              f"-a {int(not loader.shuffle)}: resume with the same -a")
+        raise CheckpointError(f"{path}: written with -a {int(not state['should_shuffle'])}, and this run "
+                              f"has -a {int(not loader.shuffle)}: resume with the same -a")
     if state["samples_per_epoch"] and state["samples_per_epoch"] != loader.num_samples:
-        raise CheckpointError(f"{path}: written over train data of {state['samples_per_epoch']} samples per epoch, "
-                              f"and '{loader.pattern}' has {loader.num_samples}: the saved data position would "
-                              f"point elsewhere, so resume with the same -i files")
+        raise CheckpointError(f"{path}: written over train data of {state['samples_per_epoch']} samples "
+                              f"per epoch, and '{loader.pattern}' has {loader.num_samples}: the saved data "
+                              f"position would point elsewhere, so resume with the same -i files")
 
 
 class OutputDir:

@@ -82,7 +82,8 @@ class MPIComm:
 
     @staticmethod
     def _to_host(buf, raw=False):
-        """buf itself if it is a host float32/float64 array, else a host copy: float32 or (raw) 16-bit words."""
+        """buf itself if it is a host float32/float64 array, else a host copy: float32 or (raw) 16-bit
+        words."""
         host = buf.get() if _is_device_array(buf) else buf
         if host.dtype.itemsize == 2:
             return host.view(np.uint16).copy() if raw else host.astype(np.float32)
@@ -115,7 +116,8 @@ class MPIComm:
 
     def reduce_scatter_avg(self, flat, shard):
         send = self._to_host(flat)
-        recv = np.empty(shard.size, dtype=send.dtype)   # MPI forbids the receive buffer aliasing the send buffer
+        # MPI forbids the receive buffer aliasing the send buffer
+        recv = np.empty(shard.size, dtype=send.dtype)
         self.comm.Reduce_scatter_block(send, recv, op=self.MPI.SUM)
         recv /= self.world_size
         self._from_host(shard, recv)
@@ -214,7 +216,7 @@ def make_comm(gpu=False, force_nccl=False):
     cupy.cuda.Device(comm.local_rank % n_gpus).use()
     if comm.comm.allreduce(int(comm.local_rank >= n_gpus), op=comm.MPI.SUM):
         if comm.rank == 0:
-            print(f"{comm.world_size} ranks but only {n_gpus} GPU(s) per node, and NCCL refuses two ranks on one "
-                  f"GPU: falling back to host-staged MPI collectives")
+            print(f"{comm.world_size} ranks but only {n_gpus} GPU(s) per node, and NCCL refuses two ranks "
+                  f"on one GPU: falling back to host-staged MPI collectives")
         return comm
     return NCCLComm(comm)

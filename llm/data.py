@@ -100,8 +100,8 @@ class DataLoader:
         """Continue from a state() (taken with any world_size: the stream is the same)."""
         epoch, position = (int(x) for x in state)
         if epoch < 0 or not 0 <= position < self.num_samples:
-            raise DataError(f"loader state (epoch {epoch}, position {position}) does not fit '{self.pattern}', "
-                            f"which has {self.num_samples} samples per epoch")
+            raise DataError(f"loader state (epoch {epoch}, position {position}) does not fit "
+                            f"'{self.pattern}', which has {self.num_samples} samples per epoch")
         self._next = epoch * self.num_samples + position
 
     def next_batch(self):
@@ -214,9 +214,11 @@ def prepare_hint(pattern):
     if "tinyshakespeare" in pattern:
         return "run `make data` (or python -m data.tinyshakespeare) to write them"
     if "fineweb" in pattern:
-        flags = "".join(flag for key, flag in (("edu_", " --type edu"), ("100B", " --version 100B")) if key in pattern)
+        flags = "".join(flag for key, flag in (("edu_", " --type edu"), ("100B", " --version 100B"))
+                        if key in pattern)
         return f"run python -m data.fineweb{flags} to write them"
-    return "the scripts in data/ write shards (`make data`: tiny Shakespeare; python -m data.fineweb: FineWeb)"
+    return ("the scripts in data/ write shards (`make data`: tiny Shakespeare; python -m data.fineweb: "
+            "FineWeb)")
 
 
 class EvalLoader:

@@ -122,7 +122,8 @@ def write_weights(path, tensors, save_file):
 
 def push(out, repo, hub):
     """Upload the folder to the Hub as the model repo `repo` (created if it does not exist)."""
-    optional("huggingface_hub.utils.logging", "weights").set_verbosity_error()   # our one line, not a warning per retry
+    # our one line, not a warning per retry
+    optional("huggingface_hub.utils.logging", "weights").set_verbosity_error()
     print(f"uploading {out} to https://huggingface.co/{repo}")
     try:
         api = hub.HfApi()
@@ -156,7 +157,8 @@ def main(argv):
     args = arguments().parse_args(argv)
     if args.push and not REPO_ID.fullmatch(args.push):
         raise ExportError(f"--push {args.push}: name the Hub repo as USER/REPO")
-    save_file = optional("safetensors.numpy", "weights").save_file   # the packages before the work, not after it
+    # the packages before the work, not after it
+    save_file = optional("safetensors.numpy", "weights").save_file
     hub = optional("huggingface_hub", "weights") if args.push else None
     replaced = check_out(args.out)
     path = find_model(args.e)

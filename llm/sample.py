@@ -167,7 +167,8 @@ def main(argv):
         raise UserError(f"{args.e}: no such file: {WEIGHTS_HINT}; `make train` writes "
                         f"log_train/model_00000250.bin")
     path = find_model(args.e)
-    config, _ = formats.read_model_config(path)   # the parameters are read once the memory is known to suffice
+    # the parameters are read once the memory is known to suffice
+    config, _ = formats.read_model_config(path)
     if not os.path.exists(args.tokenizer):
         raise UserError(f"{args.tokenizer}: no such file: `make data` or python -m data.gpt2 writes it "
                         f"(or pass --tokenizer PATH)")

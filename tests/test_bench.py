@@ -16,12 +16,14 @@ def test_the_table_takes_the_steps_in_a_row_of_each_log_and_the_ratio_to_the_yar
                    "--steps", "3"], cwd=REPO)
     assert ours.returncode == 0, ours.stderr
     line = next(x for x in ours.stdout.splitlines() if "steps in a row" in x)
-    ms, tok_s = float(line.split("in a row: ")[1].split(" ms")[0]), int(line.split("| ")[1].split(" tok/s")[0])
+    ms = float(line.split("in a row: ")[1].split(" ms")[0])
+    tok_s = int(line.split("| ")[1].split(" tok/s")[0])
     assert abs(2 * 32 / ms * 1000 - tok_s) <= 0.01 * tok_s   # ms is printed to 0.1
     (tmp_path / "ours.log").write_text(ours.stdout)
     (tmp_path / "torch.log").write_text(   # bench/torch_gpt2.py's last line, at half our speed
-        f"torch 2.11 torch.compile sdpa=default loss=padded d2c64h4 B=2 T=32 bf16: loss 10.8 | 20 steps in a row: "
-        f"{2 * ms:.1f} ms/step | {tok_s // 2} tok/s | peak memory: nvidia-smi 1234 MiB, torch reserved 1000 MiB\n")
+        f"torch 2.11 torch.compile sdpa=default loss=padded d2c64h4 B=2 T=32 bf16: loss 10.8 | "
+        f"20 steps in a row: {2 * ms:.1f} ms/step | {tok_s // 2} tok/s | peak memory: nvidia-smi 1234 MiB, "
+        f"torch reserved 1000 MiB\n")
     table = python(["-m", "bench.table", f"ours={tmp_path / 'ours.log'}", f"torch={tmp_path / 'torch.log'}",
                     "--yardstick", "torch"], cwd=REPO)
     assert table.returncode == 0, table.stderr

@@ -93,15 +93,18 @@ def test_every_command_run_by_a_python_without_a_package_says_to_use_the_venv(co
     python -S leaves site-packages out of sys.path, which then holds this one without `package`."""
     args = BAD_INPUT[command][0]
     args = [os.path.join(REPO, args[0]), *args[1:]] if args[0].endswith(".py") else args
+    path = os.pathsep.join([REPO, str(site_packages_but(package))])
     proc = subprocess.run([sys.executable, "-S", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**env(), "PYTHONPATH": os.pathsep.join([REPO, str(site_packages_but(package))])})
+                          env={**env(), "PYTHONPATH": path})
     assert proc.returncode == 1
-    assert proc.stderr == (f"error: {sys.executable} has no {package}: run the commands with .venv/bin/python "
-                           f"(`make setup` creates it)\n")
+    assert proc.stderr == (f"error: {sys.executable} has no {package}: run the commands with "
+                           f".venv/bin/python (`make setup` creates it)\n")
 
 
-@pytest.mark.parametrize("command", [command for command in BAD_INPUT
-                                     if command not in ("train_gpt2.py", "bench.torch_gpt2", "bench.kernels")])
+HELP_ELSEWHERE = ("train_gpt2.py", "bench.torch_gpt2", "bench.kernels")   # see the docstring below
+
+
+@pytest.mark.parametrize("command", [command for command in BAD_INPUT if command not in HELP_ELSEWHERE])
 def test_every_commands_help_says_what_it_does_in_whole_sentences(command):
     """The description under the usage, from the module's docstring (bench's once stopped mid-sentence).
     train_gpt2.py's --help is llm.c's list of flags; bench.torch_gpt2 and bench.kernels need torch."""

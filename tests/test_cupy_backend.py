@@ -373,7 +373,8 @@ def test_adamw_with_a_nan_grad_scale_changes_nothing(gpu):
     param, grad, m, v = (gpu.asarray(randn(rng, 1000), dtype) for dtype in (gpu.dtype, gpu.dtype, None, None))
     master = gpu.asarray(gpu.to_numpy(param)) if gpu.precision == "bf16" else None
     before = [gpu.to_numpy(x) for x in (param, m, v)]
-    gpu.adamw(param, grad, m, v, master, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3, gpu.asarray(np.array(np.nan, np.float32)))
+    nan = gpu.asarray(np.array(np.nan, np.float32))
+    gpu.adamw(param, grad, m, v, master, 1e-2, 0.9, 0.95, 1e-8, 0.1, 3, nan)
     for got, old in zip((param, m, v), before):
         np.testing.assert_array_equal(gpu.to_numpy(got), old)
 

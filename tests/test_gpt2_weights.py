@@ -309,8 +309,8 @@ def test_debug_state_is_the_references_first_batch_and_test_gpt2_passes_against_
     tokens = np.random.default_rng(2).integers(0, V, 4 * maxT + 10)
     shard = token_shard(tmp_path, tokens)
     out = tmp_path / "out"
-    proc = convert(["--input", str(model_folder), "--vocab", VOCAB, "--out", str(out), "--debug-state", str(shard)],
-                   cwd=tmp_path)
+    proc = convert(["--input", str(model_folder), "--vocab", VOCAB, "--out", str(out),
+                    "--debug-state", str(shard)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     config, params, _ = formats.read_model(out / "gpt2_d2c64h4.bin")
     state = formats.read_debug_state(out / "gpt2_d2c64h4_debug_state.bin", config)
@@ -318,7 +318,7 @@ def test_debug_state_is_the_references_first_batch_and_test_gpt2_passes_against_
     np.testing.assert_array_equal(state["y"], tokens[1:4 * maxT + 1].reshape(4, maxT))
     p = {name: view.astype(np.float64) for name, view in ParamViews(params, config)}
     logits, loss, cache = gpt2_forward(p, config, state["x"], state["y"])
-    assert state["loss"] == np.float32(loss) and 5 < loss < 20                          # float64, stored as float32
+    assert state["loss"] == np.float32(loss) and 5 < loss < 20       # float64, stored as float32
     np.testing.assert_array_equal(state["logits"], logits[..., :V].astype(np.float32))
     grads = ParamViews(state["grads"], config)
     want = gpt2_backward(p, config, cache)
@@ -327,9 +327,11 @@ def test_debug_state_is_the_references_first_batch_and_test_gpt2_passes_against_
     assert np.abs(grads.wte[:V]).max() > 0 and np.all(grads.wte[V:] == 0)
 
     check = subprocess.run([sys.executable, os.path.join(REPO, "test_gpt2.py"), "--backend", "numpy",
-                            "-e", str(out / "gpt2_d2c64h4.bin"), "-ds", str(out / "gpt2_d2c64h4_debug_state.bin")],
+                            "-e", str(out / "gpt2_d2c64h4.bin"),
+                            "-ds", str(out / "gpt2_d2c64h4_debug_state.bin")],
                            cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
-    assert check.returncode == 0 and check.stdout.rstrip().endswith("overall okay: 1"), check.stdout + check.stderr
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.rstrip().endswith("overall okay: 1"), check.stdout
 
 
 @pytest.mark.parametrize("tokens, problem", [
@@ -337,10 +339,11 @@ def test_debug_state_is_the_references_first_batch_and_test_gpt2_passes_against_
     (np.arange(4 * maxT), f"{4 * maxT} tokens, the debug batch needs {4 * maxT + 1} (B=4, T={maxT})"),
     (np.full(4 * maxT + 1, 60000), f"token id 60000 is outside the model's vocab 0..{V - 1}"),
 ])
-def test_a_debug_batch_that_cannot_be_read_is_one_line_before_any_file_is_written(tmp_path, model_folder, tokens,
-                                                                                   problem):
+def test_a_debug_batch_that_cannot_be_read_is_one_line_before_any_file_is_written(tmp_path, model_folder,
+                                                                                   tokens, problem):
     shard = tmp_path / "val.bin" if tokens is None else token_shard(tmp_path, tokens)
     out = tmp_path / "out"
-    proc = convert(["--input", str(model_folder), "--out", str(out), "--debug-state", str(shard)], cwd=tmp_path)
+    proc = convert(["--input", str(model_folder), "--out", str(out), "--debug-state", str(shard)],
+                   cwd=tmp_path)
     assert_one_line_error(proc, f"--debug-state {shard}: {problem}")
     assert not out.exists()

@@ -27,7 +27,8 @@ MADE = ["-o", ".venv/.installed", "-o", "data/tinyshakespeare/tiny_shakespeare_t
 
 
 def make(args, cwd):
-    return subprocess.run(["make", "-s", *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=900)
+    return subprocess.run(["make", "-s", *args], cwd=cwd, env=env(), capture_output=True, text=True,
+                          timeout=900)
 
 
 def make_error(proc):
@@ -78,8 +79,8 @@ def test_a_shared_folder_without_the_files_is_one_line_from_make(tmp_path):
     (tmp_path / "shared").mkdir()
     (tmp_path / "shared" / "gpt2.tiktoken").write_text("")
     line = make_error(make(["-o", ".venv/.installed", "SHARED=missing", "data"], tmp_path))
-    assert line == ("SHARED=missing: no such folder: make takes tinyshakespeare.txt and gpt2.tiktoken from it.  "
-                    "Stop.\n")
+    assert line == ("SHARED=missing: no such folder: make takes tinyshakespeare.txt and gpt2.tiktoken from "
+                    "it.  Stop.\n")
     line = make_error(make(["-o", ".venv/.installed", "SHARED=shared", "data"], tmp_path))
     assert line.startswith("SHARED=shared: no tinyshakespeare.txt there: ")
     assert not (tmp_path / "data").exists()
@@ -95,7 +96,8 @@ def test_make_clean_removes_what_make_wrote_and_nothing_else(tmp_path):
         os.makedirs(os.path.dirname(tmp_path / name), exist_ok=True)
         (tmp_path / name).write_text("")
     assert make(["clean"], tmp_path).returncode == 0
-    left = sorted(os.path.relpath(os.path.join(d, f), tmp_path) for d, _, files in os.walk(tmp_path) for f in files)
+    left = sorted(os.path.relpath(os.path.join(d, f), tmp_path)
+                  for d, _, files in os.walk(tmp_path) for f in files)
     assert left == sorted(kept + ["Makefile"])
 
 

@@ -75,7 +75,8 @@ def test_missing_shards_name_the_script_that_writes_them(tmp_path, pattern, comm
 
 def test_missing_default_model_says_data_gpt2_py(shards):
     train = clone_trainer(shards / "clone")
-    line = one_line_error(run_train(TINY[2:] + data_args() + ["-x", "1"], cwd=shards, check=False, train=train))
+    proc = run_train(TINY[2:] + data_args() + ["-x", "1"], cwd=shards, check=False, train=train)
+    line = one_line_error(proc)
     assert line == ("error: gpt2_124M_bf16.bin: no such file: python -m data.gpt2 writes GPT-2's weights "
                     "(gpt2_124M.bin, gpt2_124M_bf16.bin); or train from scratch with -e d12\n")
 

@@ -73,7 +73,8 @@ class CupyBackend:
         # is refilled only once its last copy has run (its event).
         key = (dst.data.ptr, dst.shape, dst.dtype)
         if key not in self.pinned:
-            self.pinned[key] = (cupyx.empty_pinned(dst.shape, dst.dtype), cupy.cuda.Event(disable_timing=True))
+            self.pinned[key] = (cupyx.empty_pinned(dst.shape, dst.dtype),
+                                cupy.cuda.Event(disable_timing=True))
         host, copied = self.pinned[key]
         copied.synchronize()
         host[...] = a
@@ -178,9 +179,9 @@ class CupyBackend:
 
     # ---------------------------------------------------------------- layernorm
 
-    # layernorm_backward: warps per block, and blocks per SM up to LN_FUSED_CHANNELS. A lane holds its share of
-    # a row and of each column sum in registers. Up to C = 768 they fit two blocks per SM with the third sum
-    # (dbias_below): the fastest of five shapes on an H200 at d12 B=64 (0.166 ms; 16 x 1: 0.165, 12 x 1:
+    # layernorm_backward: warps per block, and blocks per SM up to LN_FUSED_CHANNELS. A lane holds its share
+    # of a row and of each column sum in registers. Up to C = 768 they fit two blocks per SM with the third
+    # sum (dbias_below): the fastest of five shapes on an H200 at d12 B=64 (0.166 ms; 16 x 1: 0.165, 12 x 1:
     # 0.169, 4 x 3: 0.175, 8 x 1: 0.202), though its cap of 128 registers spills a little. Wider rows (d48's
     # 1600) take one block per SM and sum dbias_below in a pass of its own: the third sum spilled there.
     LN_WARPS, LN_BLOCKS, LN_FUSED_CHANNELS = 8, 2, 768
@@ -251,11 +252,11 @@ class CupyBackend:
         self._weight_gradient(dw, dout, inp)
 
     def matmul_gelu_backward(self, dinp, dw, dbias, dout, inp, w, pre_gelu, dbias_prev, recompute):
-        # the layer after a GELU (fcproj): dinp = gelu'(pre_gelu) * (dout @ w). One pass of bias_backward_partial
-        # (matmul.cu) applies GELU's derivative, sums dinp's columns (dbias_prev, the bias gradient of the
-        # layer that made pre_gelu: fc) and, on recompute, writes inp = gelu(pre_gelu) for the weight gradient.
-        # cuBLASLt's DGELU epilogue made the GEMM slower by more than that pass takes (0.551 against 0.399 ms
-        # at d12, B=64), and its DGELU_BGRAD three times slower.
+        # the layer after a GELU (fcproj): dinp = gelu'(pre_gelu) * (dout @ w). One pass of
+        # bias_backward_partial (matmul.cu) applies GELU's derivative, sums dinp's columns (dbias_prev, the
+        # bias gradient of the layer that made pre_gelu: fc) and, on recompute, writes inp = gelu(pre_gelu)
+        # for the weight gradient. cuBLASLt's DGELU epilogue made the GEMM slower by more than that pass
+        # takes (0.551 against 0.399 ms at d12, B=64), and its DGELU_BGRAD three times slower.
         OC, C = w.shape
         N = inp.size // C
         self.lt.matmul("N", "N", C, N, OC, w, C, dout, OC, dinp, C)
@@ -271,7 +272,8 @@ class CupyBackend:
 
     def _bias_gradient(self, dbias, dout, pre_gelu=None, gelu_out=None):
         # dbias += dout's column sums, by our own kernel (matmul.cu), through a GELU when pre_gelu is given:
-        # cuBLASLt's epilogue for it (BGRADB) made each weight-gradient GEMM slower by more than the kernel takes
+        # cuBLASLt's epilogue for it (BGRADB) made each weight-gradient GEMM slower by more than the kernel
+        # takes
         if dbias is None and pre_gelu is None:
             return
         OC = dout.shape[-1]
@@ -299,7 +301,7 @@ class CupyBackend:
     def attention_backward(self, dqkv, dout, qkv, out, saved, NH):
         self.attention.backward(dqkv, dout, qkv, out, saved, NH)
 
-    # ---------------------------------------------------------------- gelu (fp32's forward; bf16's is in the GEMM)
+    # ---------------------------------------------------------------- gelu: fp32's (bf16's is in the GEMM)
 
     def gelu_forward(self, out, inp):
         self._elementwise("gelu", "gelu_forward", out, inp)

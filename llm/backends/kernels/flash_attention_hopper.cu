@@ -375,7 +375,8 @@ flash_backward_dkv(bf16* dqkv, const __grid_constant__ TensorMap dout_map,
         if (threadIdx.x >= 32) return;
         const int lane = threadIdx.x;
         for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
-            const Item w = work_item(it, heads, NH, row_tiles, false);   // the first keys see the most queries
+            // the first keys first: they see the most queries
+            const Item w = work_item(it, heads, NH, row_tiles, false);
             if (lane == 0) {
                 if (n > 0) mbar_wait(&sm.held_empty, (n - 1) & 1);
                 mbar_arrive_expect_bytes(&sm.held_full, 2 * ROWS * HS * 2);
