@@ -2,7 +2,7 @@
 # One pass on a GPU machine: versions, the backend's op checks, test_gpt2 in fp32 and bf16, and the d12
 # throughput benchmark beside torch.compile's. Logs go to $OUT (or ./gpu_logs).
 # Usage: bash bench/gpu_check.sh [stage ...]
-# stages: env attn ops test opsbench table bench small torch d48 d48max zero train mpi ckpt hf
+# stages: env attn ops test opsbench table kernels bench small torch d48 d48max zero train mpi ckpt hf
 # (default: env ops test table)
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
@@ -75,6 +75,9 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
       "torch.compile (nanoGPT's model)=$OUT/table_torch.log" --yardstick "torch.compile (nanoGPT's model)" \
       --limit 983000   # 790 TFLOP/s over d12's 0.80 GFLOP a token at T=1024
     grep -A 18 "^per-op" "$OUT/table.log" ;;
+  kernels) # one d12 B=64 step kernel by kernel (CUPTI): GEMMs, attention, the rest, and the GPU's idle time
+    timeout 300 python3 -m bench.kernels 2>&1 | tee "$OUT/kernels.log" | head -12
+    timeout 400 python3 -m bench.kernels --torch 2>&1 | tee "$OUT/kernels_torch.log" | head -12 ;;
   zero)    # ZeRO-1's memory per rank as llm.c's PR measured it: d48, B=4, four ranks on this one GPU
     for z in 0 1; do
       nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 \
