@@ -31,7 +31,7 @@ import numpy as np
 from data import REPO, PrepError, arguments, first_line, quiet_hub_retries
 from llm import formats
 from llm.backends.numpy_backend import host_memory_available
-from llm.config import DEPTHS, ConfigError, GPT2Config
+from llm.config import DEPTHS, ConfigError, GPT2Config, padded_vocab
 from llm.hf import CONFIG_SIZES, LM_HEAD, MASK_BUFFER, PREFIX, WEIGHTS, hf_views
 from llm.launch import optional, run
 from llm.layout import ParamViews
@@ -46,7 +46,6 @@ NAMED = {name: GPT2Config(num_layers=L, channels=DEPTHS[L][0], num_heads=DEPTHS[
          for name, (_, L) in MODELS.items()}
 HUB = "openai-community"
 HEAD_SIZE = 64
-VOCAB_MULTIPLE = 128
 # llm.c's train_gpt2.py writes its debug state from its first batch, at its defaults
 DEBUG_DATA = os.path.join(REPO, "data", "tinyshakespeare", "tiny_shakespeare_val.bin")
 DEBUG_B, DEBUG_T = 4, 64
@@ -117,7 +116,7 @@ def infer_config(shapes, heads, config_json, path):
         except (OSError, ValueError, KeyError, TypeError) as e:   # json's errors are ValueErrors
             raise PrepError(f"{config_json}: not a GPT-2 config.json ({type(e).__name__}: {e})") from None
     NH = heads or n_head or C // HEAD_SIZE
-    Vp = -(-V // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    Vp = padded_vocab(V)
     try:
         return GPT2Config(padded_vocab_size=Vp, num_heads=NH, **sizes)
     except ConfigError as e:

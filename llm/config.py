@@ -10,8 +10,16 @@ import re
 
 from llm.launch import UserError
 
+VOCAB_MULTIPLE = 128    # Vp is V rounded up to a multiple of this, so that the lm_head matmul tiles well
+
+
+def padded_vocab(V):
+    """Vp for a vocabulary of V tokens, as llm.c pads it."""
+    return -(-V // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
 GPT2_VOCAB = 50257      # V: the real vocabulary
-GPT2_PADDED = 50304     # Vp: V rounded up to a multiple of 128, so the lm_head matmul tiles well
+GPT2_PADDED = padded_vocab(GPT2_VOCAB)   # Vp = 50304
 GPT2_EOT = 50256        # <|endoftext|>: the last token of GPT-2's vocabulary, which separates documents
 GPT2_MAX_SEQ = 1024
 # what to say when a model file such as gpt2_124M.bin (the trainer's default -e) is missing
