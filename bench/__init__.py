@@ -6,6 +6,12 @@ import llm   # noqa: F401
 from importlib.util import find_spec
 
 
+def check_length(parser, model, config, T):
+    """-t must fit the model's positions (wpe's rows): a longer one is the parser's one-line error."""
+    if T > config.max_seq_len:
+        parser.error(f"-t {T} is longer than {model}'s {config.max_seq_len} positions")
+
+
 def needs(*packages):
     """Stop with one line unless these packages, which a yardstick needs and the project never does (torch,
     transformers), are installed. A yardstick calls it as it loads, before it imports them."""

@@ -19,7 +19,7 @@ import xxhash
 
 from llm import formats
 from llm.config import GPT2Config
-from llm.launch import Parser, run
+from llm.launch import Parser, positive_int, run
 from llm.weight_init import init_params
 
 
@@ -38,7 +38,7 @@ def main(argv):
     parser.add_argument("--master", type=int, default=0, choices=(0, 1))
     parser.add_argument("--dir", default=None,
                         help="where to write the files (default: a temporary directory)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     args = parser.parse_args(argv)
     config = GPT2Config.from_descriptor(args.model)
     P = config.num_parameters

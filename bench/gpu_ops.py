@@ -13,7 +13,7 @@ import numpy as np
 
 from llm.backends import BackendError, gpu_missing
 from llm.config import GPT2Config
-from llm.launch import Parser, run
+from llm.launch import Parser, positive_int, run
 
 try:
     import cupy
@@ -48,8 +48,8 @@ def time_op(fn, reps, spin):
 def main(argv):
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--B", type=int, default=8)
+    parser.add_argument("--reps", type=positive_int, default=20)
+    parser.add_argument("--B", type=positive_int, default=8)
     args = parser.parse_args(argv)
     if missing := gpu_missing():
         raise BackendError(missing)

@@ -14,13 +14,13 @@ import time
 
 import numpy as np
 
-from bench import needs
+from bench import check_length, needs
 from bench.step import ADVICE
 from llm import memory
 from llm.backends import BackendError, get_backend, gpu_missing
 from llm.comm import SingleComm
 from llm.config import GPT2Config
-from llm.launch import Parser, run
+from llm.launch import Parser, positive_int, run
 from llm.model import GPT2
 from llm.outliers import UpdateGuard
 from llm.step import train_step
@@ -108,19 +108,14 @@ def theirs(args):
 def main(argv):
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="d12")
-    parser.add_argument("-b", type=int, default=64)
-    parser.add_argument("-t", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=3, help="profiled steps, after warm-up ones")
+    parser.add_argument("-b", type=positive_int, default=64)
+    parser.add_argument("-t", type=positive_int, default=1024)
+    parser.add_argument("--steps", type=positive_int, default=3, help="profiled steps, after warm-up ones")
     parser.add_argument("--attention", default="auto", choices=["auto", "cudnn"])
     parser.add_argument("--torch", action="store_true", help="profile torch.compile's step instead")
     parser.add_argument("--top", type=int, default=25, help="kernels to list")
     args = parser.parse_args(argv)
-    for flag, value in (("--steps", args.steps), ("-b", args.b), ("-t", args.t)):
-        if value < 1:
-            parser.error(f"{flag} must be at least 1, got {value}")
-    positions = GPT2Config.from_descriptor(args.model).max_seq_len
-    if args.t > positions:
-        parser.error(f"-t {args.t} is longer than {args.model}'s {positions} positions")
+    check_length(parser, args.model, GPT2Config.from_descriptor(args.model), args.t)
     run_steps, label = (theirs if args.torch else ours)(args)
     run_steps(4)   # compiles, plans the GEMMs, records the graphs
     t0 = time.perf_counter()

@@ -20,12 +20,13 @@ from collections import defaultdict
 
 import numpy as np
 
+from bench import check_length
 from bench.gpu_memory import GpuMemoryPeak
 from llm import memory
 from llm.backends import get_backend
 from llm.comm import SingleComm
 from llm.config import GPT2Config
-from llm.launch import Parser, run
+from llm.launch import Parser, positive_int, run
 from llm.model import GPT2
 from llm.outliers import UpdateGuard
 from llm.step import train_step
@@ -90,10 +91,11 @@ def main(argv):
     parser.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--model", default="d12")
-    parser.add_argument("-b", type=int, help="micro batch size (default 4 on numpy, 64 on cupy)")
-    parser.add_argument("-t", type=int, help="sequence length (default 64 on numpy, 1024 on cupy)")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps, after two warm-up steps")
-    parser.add_argument("-r", type=int, default=1, help="recompute: 0 none, 1 GELU, 2 GELU and layernorms")
+    parser.add_argument("-b", type=positive_int, help="micro batch size (default 4 on numpy, 64 on cupy)")
+    parser.add_argument("-t", type=positive_int, help="sequence length (default 64 on numpy, 1024 on cupy)")
+    parser.add_argument("--steps", type=positive_int, default=6, help="timed steps, after two warm-up steps")
+    parser.add_argument("-r", type=int, default=1, choices=[0, 1, 2],
+                        help="recompute: 0 none, 1 GELU, 2 GELU and layernorms")
     parser.add_argument("--attention", default="auto", choices=["auto", "cudnn"])
     parser.add_argument("--cuda-graph", type=int, default=1, choices=[0, 1],
                         help="replay the forward and backward as CUDA graphs (cupy in bf16), as training "
@@ -103,6 +105,7 @@ def main(argv):
                           cuda_graph=bool(args.cuda_graph))
     B, T = args.b or DEFAULT_BT[backend.name][0], args.t or DEFAULT_BT[backend.name][1]
     config = GPT2Config.from_descriptor(args.model)
+    check_length(parser, args.model, config, T)
     memory.check(memory.needed(backend, config, [(B, T)], args.r), backend.memory_available(), ADVICE)
     bench(args, backend, config, B, T)
 

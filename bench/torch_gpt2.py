@@ -14,10 +14,10 @@ and the peak memory (torch's allocator, and nvidia-smi sampled while it runs).
 """
 import time
 
-from bench import needs
+from bench import check_length, needs
 from bench.gpu_memory import GpuMemoryPeak
 from llm.config import GPT2Config
-from llm.launch import Parser, UserError, run
+from llm.launch import Parser, UserError, positive_int, run
 
 needs("torch")
 import torch  # noqa: E402
@@ -69,9 +69,9 @@ class GPT(nn.Module):
 def main(argv):
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="d12")
-    parser.add_argument("-b", type=int, default=64)
-    parser.add_argument("-t", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("-b", type=positive_int, default=64)
+    parser.add_argument("-t", type=positive_int, default=1024)
+    parser.add_argument("--steps", type=positive_int, default=20)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--sdpa", choices=["default", "flash", "cudnn"], default="default")
     parser.add_argument("--loss", choices=["padded", "sliced"], default="padded",
@@ -79,6 +79,7 @@ def main(argv):
                              "sliced: over the first V")
     args = parser.parse_args(argv)
     config = GPT2Config.from_descriptor(args.model)
+    check_length(parser, args.model, config, args.t)
     torch.manual_seed(0)
     model = GPT(config).cuda()
     model.sliced = args.loss == "sliced"

@@ -9,6 +9,7 @@
   Preemption                 SIGUSR1 in the trainer: finish the step, write a checkpoint, then stop
   stop(message, code)        print one line and end this process and, under a launcher, the whole job
   Parser                     argparse for every command line here: a mistake in the options is one line
+  positive_int               Parser's type for an option that counts something (steps, repeats, a batch)
   optional(module, extra)    import a package only some commands need, or say in one line how to install it
   install(extra)             the pip command that installs one of the optional extras
 
@@ -212,6 +213,17 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UsageError(message)
+
+
+def positive_int(text):
+    """An argparse type: a whole number of 1 or more, where 0 or less would divide by zero or time nothing."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a whole number, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 class StdoutError(OSError):

@@ -1,7 +1,10 @@
 """bench/table.py reads bench/step.py's and bench/torch_gpt2.py's logs into the side-by-side table: the
-figure it takes is the time of the steps in a row, and a log without one is one line, not a wrong row."""
+figure it takes is the time of the steps in a row, and a log without one is one line, not a wrong row.
+The benchmarks' counts and lengths are checked before anything runs."""
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO, env
 
@@ -37,3 +40,17 @@ def test_a_log_without_steps_in_a_row_is_one_line(tmp_path):
     proc = python(["-m", "bench.table", f"ours={tmp_path / 'cut.log'}", "--yardstick", "ours"], cwd=REPO)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert "cut.log: no 'N steps in a row: ... ms/step | ... tok/s' line: did the run finish?" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench.step", "--steps", "0"], "argument --steps: must be at least 1, got 0"),   # a ZeroDivisionError once
+    (["bench.step", "-b", "-2"], "argument -b: must be at least 1, got -2"),
+    (["bench.step", "--model", "d2c64h4", "-t", "2000"], "-t 2000 is longer than d2c64h4's 1024 positions"),
+    (["bench.step", "-r", "3"], "argument -r: invalid choice: 3"),
+    (["bench.checksum", "--repeats", "0"], "argument --repeats: must be at least 1, got 0"),   # min() of nothing
+    (["bench.kernels", "--steps", "x"], ""),   # torch first: without it, its one line
+])
+def test_a_count_or_length_a_benchmark_cannot_use_is_one_line(args, message):
+    proc = python(["-m", *args], cwd=REPO)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: ") and message in proc.stderr

@@ -26,7 +26,7 @@ BAD_INPUT = {
     "data.fineweb": (["-m", "data.fineweb", "--input", "missing.txt"], "missing.txt: no such file"),
     "data.gpt2": (["-m", "data.gpt2", "--input", "missing"], "missing: no such file"),
     "bench.step": (["-m", "bench.step", "--model", "d7"], "unsupported GPT-2 depth 7"),
-    "bench.gpu_ops": (["-m", "bench.gpu_ops", "--reps", "many"], "--reps: invalid int value: 'many'"),
+    "bench.gpu_ops": (["-m", "bench.gpu_ops", "--reps", "many"], "--reps: needs a whole number, got 'many'"),
     "bench.torch_gpt2": (["-m", "bench.torch_gpt2", "--steps", "many"], ""),   # without torch: one line too
     "bench.kernels": (["-m", "bench.kernels", "--steps", "0"], ""),            # so is this one
 }
