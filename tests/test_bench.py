@@ -43,14 +43,17 @@ def test_a_log_without_steps_in_a_row_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["bench.step", "--steps", "0"], "argument --steps: must be at least 1, got 0"),   # a ZeroDivisionError once
+    # once a ZeroDivisionError
+    (["bench.step", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
     (["bench.step", "-b", "-2"], "argument -b: must be at least 1, got -2"),
     (["bench.step", "--model", "d2c64h4", "-t", "2000"], "-t 2000 is longer than d2c64h4's 1024 positions"),
     (["bench.step", "-r", "3"], "argument -r: invalid choice: 3"),
-    (["bench.checksum", "--repeats", "0"], "argument --repeats: must be at least 1, got 0"),   # min() of nothing
+    # once min() of nothing
+    (["bench.checksum", "--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
     (["bench.kernels", "--steps", "x"], ""),   # torch first: without it, its one line
 ])
 def test_a_count_or_length_a_benchmark_cannot_use_is_one_line(args, message):
     proc = python(["-m", *args], cwd=REPO)
-    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("error: ") and message in proc.stderr
