@@ -29,7 +29,7 @@ import re
 import numpy as np
 
 from data import REPO, PrepError, arguments, first_line, quiet_hub_retries
-from llm import formats
+from llm import formats, memory
 from llm.backends.numpy_backend import host_memory_available
 from llm.config import DEPTHS, ConfigError, GPT2Config, padded_vocab
 from llm.hf import CONFIG_SIZES, LM_HEAD, MASK_BUFFER, PREFIX, WEIGHTS, hf_views
@@ -195,11 +195,8 @@ def read_weights(path, config_json, heads, model):
 def debug_batch(shard, config):
     """The first B*T+1 tokens of `shard` as llm.c's loader gives them: x, and y = x shifted by one. Checked,
     with the memory the reference needs, before any file is written."""
-    need, available = DEBUG_BYTES_PER_PARAMETER * config.num_parameters, host_memory_available()
-    if available is not None and need > available:
-        raise PrepError(f"--debug-state: the reference's float64 pass over {config.num_parameters:,} "
-                        f"parameters needs about {need / 2**30:.1f} GiB, and {available / 2**30:.1f} GiB "
-                        f"are available: leave it out, or use a machine with more memory")
+    memory.check({"the reference's float64 pass": DEBUG_BYTES_PER_PARAMETER * config.num_parameters},
+                 host_memory_available(), "leave out --debug-state, or use a machine with more memory")
     T = min(DEBUG_T, config.max_seq_len)
     if not os.path.exists(shard):
         raise PrepError(f"--debug-state {shard}: no such file: python -m data.tinyshakespeare writes it")
@@ -248,7 +245,7 @@ def main(argv):
         model = args.model or "gpt2"
         path, config_json = download(model), None
     config, params, name = read_weights(path, config_json, args.heads, model)
-    batch = debug_batch(args.debug_state, config) if args.debug_state else None
+    batch = None if args.debug_state is None else debug_batch(args.debug_state, config)
     tokenizer = Tokenizer(args.vocab)
     os.makedirs(args.out, exist_ok=True)
     print(f"GPT-2 {name}: L={config.num_layers}, C={config.channels}, NH={config.num_heads}, "
