@@ -114,9 +114,10 @@ class ZeroOptimizer:
         squared norm is the sum of the ranks' parts: at -z 1 each shard's; at -z 0 every rank holds all the
         gradients, so rank 0's sum is the norm and the others add zero."""
         be = self.model.backend
-        sumsq = be.sumsq(self.grad_shard)
         if self.stage == 0 and self.comm.rank > 0:
-            sumsq = be.xp.zeros_like(sumsq)
+            sumsq = be.xp.zeros((), np.float32)   # rank 0's sum is the norm: no need to take it again
+        else:
+            sumsq = be.sumsq(self.grad_shard)
         stats = be.xp.stack([be.xp.asarray(loss_sum, dtype=np.float32), sumsq])
         self.comm.all_reduce_sum(stats)
         return StepStats(stats, be.fetch(stats))
