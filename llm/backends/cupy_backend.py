@@ -55,7 +55,7 @@ class CupyBackend:
 
     def asarray(self, a, dtype=None):
         """Host array -> device array; a float32 -> bf16 cast rounds to nearest even (ml_dtypes)."""
-        a = np.ascontiguousarray(a, dtype=dtype)
+        a = np.asarray(a, dtype=dtype, order="C")   # a 0-d array stays 0-d
         if a.dtype == BF16:  # bf16 crosses as its raw 16-bit pattern
             return cupy.asarray(a.view(np.uint16)).view(BF16)
         return cupy.asarray(a)
