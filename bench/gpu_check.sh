@@ -53,7 +53,7 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
   d48max)  # the largest d48 batch that fits: ours (-r 1) from the top down, since our memory estimate
            # refuses a batch that does not fit at once; torch.compile's from B=16 up, since it finds out
            # only after compiling: each up to the first batch that does not fit
-    for B in 64 62 60 58 56; do
+    for B in 64 60 56 48 40 32 28 24 20 16; do
       timeout 300 python3 -m bench.step --backend cupy --model d48 -b $B -t 1024 --steps 2 \
         > "$OUT/d48max_b$B.log" 2>&1
       grep -E "^error|in a row|^memory" "$OUT/d48max_b$B.log" | sed "s/^/ours B=$B: /"

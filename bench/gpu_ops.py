@@ -101,7 +101,7 @@ def main(argv):
         a, da = act(B, T, cin), act(B, T, cin)
         y, dy = act(B, T, cout), act(B, T, cout)
         w, dw = act(cout, cin, scale=0.02), act(cout, cin)
-        bias, dbias = (act(cout), act(cout)) if label != "lm_head" else (None, None)
+        bias = act(cout) if label != "lm_head" else None
         mm_bytes = (N * cin + cin * cout + N * cout) * s
         bench(f"matmul_forward {label}", lambda: be.matmul_forward(y, a, w, bias), mm_bytes,
               2 * N * cin * cout, per_step=count)
@@ -114,7 +114,7 @@ def main(argv):
                   2 * mm_bytes + 3 * N * cin * s, 4 * N * cin * cout, per_step=count)
         else:
             bench(f"matmul_backward {label}",
-                  lambda: be.matmul_backward(da, dw, dbias if label == "qkv" else None, dy, a, w),
+                  lambda: be.matmul_backward(da, dw, None, dy, a, w),   # biases: the layers' neighbours
                   2 * mm_bytes, 4 * N * cin * cout, per_step=count)
     # causal attention's useful work: half of the (T, T) products, 2 in the forward (S = Q K^T, O = P V) and
     # 2.5 times as much in the backward, as FlashAttention-2 counts; bytes as flash attention moves them
@@ -122,8 +122,9 @@ def main(argv):
     att_flops = 2 * B * NH * T * T * (C // NH)
     bench("attention_forward", lambda: be.attention_forward(out, att, qkv, NH), 4 * N * C * s, att_flops,
           per_step=L)
-    bench("attention_backward", lambda: be.attention_backward(dqkv, dx, qkv, out, att, NH), 8 * N * C * s,
-          2.5 * att_flops, per_step=L)
+    dqkvb = act(3 * C)   # attention's backward sums qkv's bias gradient
+    bench("attention_backward", lambda: be.attention_backward(dqkv, dqkvb, dx, qkv, out, att, NH),
+          8 * N * C * s, 2.5 * att_flops, per_step=L)
     if be.attention.name == "flash-hopper":   # the kernels it replaces on Hopper, for comparison
         mma = FlashAttention(be.kernels, be.scratch)
         bench("attention_forward mma.sync", lambda: mma.forward(out, att, qkv, NH), 4 * N * C * s, att_flops)

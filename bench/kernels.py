@@ -7,7 +7,8 @@ training runs them, CUDA graphs and all, and nothing is added between the kernel
     python -m bench.kernels --torch      the same for torch.compile's step (bench/torch_gpt2.py's model)
 
 Prints the milliseconds of kernels a step, split into GEMMs, attention and the rest; the idle time between
-kernels; and the kernels that take the most time, with their calls a step.
+kernels; the kernels that take the most time, with their calls a step; and the largest idle gaps, by the
+kernels around them.
 """
 import collections
 import time
@@ -33,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 GEMM = ("gemm", "nvjet", "xmma", "cutlass", "matmul")
 ATTENTION = ("flash", "fmha", "attention", "sdpa")
+GAPS = 8   # the largest idle gaps listed, summed by the pair of kernels around them
 
 
 def kind(name):
@@ -51,16 +53,22 @@ def report(prof, steps, label, top):
     kinds = collections.defaultdict(float)
     for name, ms in total.items():
         kinds[kind(name)] += ms
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    idle, end = 0.0, spans[0][1]
-    for start, stop in spans[1:]:
-        idle += max(0.0, start - end)
-        end = max(end, stop)
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    idle, end, before, gaps = 0.0, spans[0][1], spans[0][2], collections.defaultdict(float)
+    for start, stop, name in spans[1:]:
+        if start > end:   # the GPU ran nothing from the end of `before` to the start of `name`
+            idle += start - end
+            gaps[(before[:40], name[:40])] += start - end
+        if stop >= end:
+            end, before = stop, name
     print(f"{label}: {sum(total.values()) / steps:.2f} ms of kernels a step (" +
           ", ".join(f"{k} {v / steps:.2f}" for k, v in sorted(kinds.items())) +
           f"); idle between them {idle / 1000 / steps:.2f} ms a step")
     for name in sorted(total, key=total.get, reverse=True)[:top]:
         print(f"{total[name] / steps:9.3f} ms {calls[name] // steps:5d}x  {kind(name):<9} {name[:110]}")
+    print("where the GPU waits, a step (the kernel before the gap -> the kernel after it):")
+    for pair in sorted(gaps, key=gaps.get, reverse=True)[:GAPS]:
+        print(f"{gaps[pair] / 1000 / steps:9.3f} ms  {pair[0]} -> {pair[1]}")
 
 
 def ours(args):

@@ -229,10 +229,11 @@ class GPT2:
                                   a.ln2_mean[l], a.ln2_rstd[l], g.attprojb[l])
             # dresidual = dloss/d residual2[l]: flows to attproj's output and, unchanged, to residual
             be.matmul_backward(a.datty, g.attprojw[l], None, a.dresidual, a.atty[l], p.attprojw[l])
-            be.attention_backward(a.dqkv, a.datty, a.qkv[l], a.atty[l], a.att[l], NH)
+            # back through attention: dqkv, and with it qkv's bias gradient (dqkv's column sums)
+            be.attention_backward(a.dqkv, g.qkvb[l], a.datty, a.qkv[l], a.atty[l], a.att[l], NH)
             if self.recompute >= 2:
                 be.layernorm_forward(ln1, a.ln1_mean[l], a.ln1_rstd[l], residual, p.ln1w[l], p.ln1b[l])
-            be.matmul_backward(a.dln, g.qkvw[l], g.qkvb[l], a.dqkv, ln1, p.qkvw[l])
+            be.matmul_backward(a.dln, g.qkvw[l], None, a.dqkv, ln1, p.qkvw[l])   # qkv's bias: done above
             be.layernorm_backward(a.dresidual, g.ln1w[l], g.ln1b[l], a.dln, residual, p.ln1w[l],
                                   a.ln1_mean[l], a.ln1_rstd[l], g.fcprojb[l - 1] if l > 0 else None)
         be.encoder_backward(g.wte, g.wpe, a.dresidual, a.inputs)

@@ -211,19 +211,21 @@ def test_matmul_with_gelu_fused_forward_and_backward(gpu, shape, recompute):
 
 
 def run_attention(backend, qkv, dout, NH, dtype, poison=False):
-    """Forward then backward on one backend; returns (out, dqkv) on the host as float32."""
+    """Forward then backward on one backend; returns (out, dqkv, dbias) on the host as float32, dbias the
+    qkv bias gradient that the backward adds into (from 0.5)."""
     B, T, C3 = qkv.shape
     shape, att_dtype = backend.attention_saved_shape(B, T, NH)
     out = backend.asarray(np.zeros((B, T, C3 // 3), np.float32), dtype)
     dqkv = backend.asarray(np.zeros((B, T, C3), np.float32), dtype)
+    dbias = backend.asarray(np.full(C3, 0.5, np.float32), dtype)
     att = backend.xp.zeros(shape, att_dtype)
     if poison:
         for x in (out, dqkv, att):
             poison_nan(x)
     qkv, dout = backend.asarray(qkv, dtype), backend.asarray(dout, dtype)
     backend.attention_forward(out, att, qkv, NH)
-    backend.attention_backward(dqkv, dout, qkv, out, att, NH)
-    return backend.to_numpy(out), backend.to_numpy(dqkv)
+    backend.attention_backward(dqkv, dbias, dout, qkv, out, att, NH)
+    return backend.to_numpy(out), backend.to_numpy(dqkv), backend.to_numpy(dbias)
 
 
 def test_attention_forward_and_backward(gpu, shape):
@@ -232,7 +234,7 @@ def test_attention_forward_and_backward(gpu, shape):
     qkv, dout = rounded(gpu, randn(rng, B, T, 3 * C)), rounded(gpu, randn(rng, B, T, C))
     ref = run_attention(REF, qkv, dout, NH, np.float32)
     got = run_attention(gpu, qkv, dout, NH, gpu.dtype, poison=True)
-    errors = {name: rel_err(g, r) for name, g, r in zip(("out", "dqkv"), got, ref)}
+    errors = {name: rel_err(g, r) for name, g, r in zip(("out", "dqkv", "dbias"), got, ref)}
     shown = ", ".join(f"{e:.2e}" for e in errors.values())
     print(f"attention            {gpu.precision} {qkv.shape}: {shown}")
     assert_close(gpu, errors)
@@ -279,21 +281,26 @@ def test_fused_attention_matches_the_naive_attention_at_odd_sizes(attention, T, 
     runs = []
     for _ in range(2):
         out, dqkv = gpu.xp.zeros((B, T, C), gpu.dtype), gpu.xp.zeros((B, T, 3 * C), gpu.dtype)
+        dbias = gpu.xp.zeros(3 * C, gpu.dtype)   # the qkv bias gradient, dqkv's column sums
         poison_nan(out)
         poison_nan(dqkv)
         lse = gpu.xp.full(gpu.attention_saved_shape(B, T, NH)[0], np.nan, np.float32)
         gpu.attention_forward(out, lse, g_qkv, NH)
-        gpu.attention_backward(dqkv, g_dout, g_qkv, out, lse, NH)
-        runs.append((gpu.to_numpy(out), gpu.to_numpy(dqkv), lse.get()))
-    (out, dqkv, lse), again = runs
+        gpu.attention_backward(dqkv, dbias, g_dout, g_qkv, out, lse, NH)
+        runs.append((gpu.to_numpy(out), gpu.to_numpy(dqkv), lse.get(), gpu.to_numpy(dbias)))
+    (out, dqkv, lse, dbias), again = runs
     assert all(np.array_equal(a, b) for a, b in zip(runs[0], again))
+    # the sums of the bf16 dqkv as written, to fp32 rounding and the bias's one bf16 rounding
+    sums = dqkv.astype(np.float64).sum(axis=(0, 1))
+    assert (np.abs(dbias - sums) <= 2 ** -8 * np.abs(sums) + 1e-5 * np.abs(dqkv).sum(axis=(0, 1))).all()
     q, k, _ = ref_math.attention.split_heads(qkv.astype(np.float64), NH)
     scores = np.where(np.tril(np.ones((T, T), bool)), q @ k.swapaxes(-1, -2) / np.sqrt(hs), -np.inf)
     lse64 = np.logaddexp.reduce(scores, axis=-1)
-    errors = {"out": rel_err(out, out64), "dqkv": rel_err(dqkv, dqkv64), "lse": rel_err(lse, lse64)}
+    errors = {"out": rel_err(out, out64), "dqkv": rel_err(dqkv, dqkv64), "lse": rel_err(lse, lse64),
+              "dbias": rel_err(dbias, dqkv64.sum(axis=(0, 1)))}
     print(f"{attention} attention      bf16 B={B} T={T} NH={NH} hs={hs}: "
           + ", ".join(f"{k} {e:.2e}" for k, e in errors.items()))
-    assert errors["out"] < 1e-2 and errors["dqkv"] < 2e-2 and errors["lse"] < 1e-3
+    assert errors["out"] < 1e-2 and errors["dqkv"] < 2e-2 and errors["lse"] < 1e-3 and errors["dbias"] < 2e-2
 
 
 @pytest.mark.skipif(not cudnn_usable(), reason="needs cuDNN's frontend (pip install .[cudnn])")

@@ -144,13 +144,16 @@ def test_attention_forward_writes_out_and_keeps_the_probabilities(be, rng):
     np.testing.assert_array_equal(att, att_ref)
 
 
-def test_attention_backward_overwrites_dqkv(be, rng):
+def test_attention_backward_overwrites_dqkv_and_accumulates_the_qkv_bias_gradient(be, rng):
     qkv, dout = randn(rng, B, T, 3 * C), randn(rng, B, T, C)
     _, att = ref.attention_forward(qkv, NH)
-    dqkv = nans(B, T, 3 * C)
+    dqkv, dbias = nans(B, T, 3 * C), randn(rng, 3 * C)
+    expected_dbias = dbias.copy()
     for _ in range(2):
-        be.attention_backward(dqkv, dout, qkv, ref.attention_forward(qkv, NH)[0], att, NH)
+        be.attention_backward(dqkv, dbias, dout, qkv, ref.attention_forward(qkv, NH)[0], att, NH)
         np.testing.assert_array_equal(dqkv, ref.attention_backward(dout, qkv, att, NH))
+        expected_dbias += dqkv.reshape(-1, 3 * C).sum(axis=0)   # as reference/matmul.py sums a bias
+        np.testing.assert_array_equal(dbias, expected_dbias)
 
 
 def test_gelu_forward_writes(be, rng):

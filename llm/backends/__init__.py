@@ -53,7 +53,9 @@ its dinp is the residual stream's gradient, which already holds the skip connect
   attention_saved_shape(B, T, NH)                (shape, dtype) of what attention keeps for backward: the
                                                  probabilities (B,NH,T,T), or flash attention's lse (B,NH,T)
   attention_forward(out, saved, qkv, NH)         qkv (B,T,3C) -> out (B,T,C), causal; saved: the kept buffer
-  attention_backward(dqkv, dout, qkv, out, saved, NH)   dqkv (B,T,3C) overwritten; out: the forward's output
+  attention_backward(dqkv, dbias, dout, qkv, out, saved, NH)   dqkv (B,T,3C) overwritten; out: the forward's
+                                                 output; dbias (3C) += sum dqkv: the qkv layer's bias
+                                                 gradient, summed where dqkv is made (may be None)
   gelu_forward(out, inp)                         out = gelu(inp), tanh GELU
   fused_classifier(logits, losses, targets, V, dloss)
                     logits (B,T,Vp); losses float32 (B,T) = -log softmax(logits[..., :V])[target].

@@ -12,7 +12,9 @@ saved shape.
 
 The cupy backend picks one when it is built and hands it the contract's three attention ops
 (llm/backends/__init__.py): saved_shape(B, T, NH) -> (shape, dtype), forward(out, saved, qkv, NH) and
-backward(dqkv, dout, qkv, out, saved, NH).
+backward(dqkv, dout, qkv, out, saved, NH). The flash kernels also add up dqkv's columns as they write it, for
+the qkv layer's bias gradient: their backward returns those partial sums (rows, 3C) fp32, which the backend
+adds up; the others return None.
 """
 import math
 
@@ -116,8 +118,9 @@ class FlashAttention:
         return (B, NH, T), FP32   # lse
 
     def scratch_shapes(self, B, T, NH, hs):
-        """name -> (shape, dtype) of the backward's scratch, also the estimate's: D, a float a row."""
-        return {"flash_D": ((B, NH, T), FP32)}
+        """name -> (shape, dtype) of the backward's scratch, also the estimate's: D, a float a row, and the
+        column sums of dqkv, one row per 16 rows (a warp's) of each sequence."""
+        return {"flash_D": ((B, NH, T), FP32), "flash_bias_sums": ((B * blocks(T, 16), 3 * NH * hs), FP32)}
 
     def _kernel(self, name, hs):
         return self.kernels.get("flash_attention", name, BF16, HS=hs, BQ=self.BQ, BK=self.BK,
@@ -137,22 +140,26 @@ class FlashAttention:
                                           (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(hs ** -0.5)))
 
     def _rowsum(self, dqkv, dout, qkv, out, NH):
-        """The backward's pre-pass: D = rowsum(dout * out) (B, NH, T), fp32; -> (B, T, hs, D)."""
+        """The backward's pre-pass, D = rowsum(dout * out) (B, NH, T) fp32, and the buffer of dqkv's column
+        sums; -> (B, T, hs, D, bias_sums)."""
         B, T, _ = qkv.shape
         hs = self._head_size(qkv, NH)
         check_packs((dqkv, dout, qkv, out), hs=hs)
-        D = self.scratch.get("flash_D", *self.scratch_shapes(B, T, NH, hs)["flash_D"])
+        shapes = self.scratch_shapes(B, T, NH, hs)
+        D, bias_sums = (self.scratch.get(name, *shapes[name]) for name in ("flash_D", "flash_bias_sums"))
         self._kernel("flash_backward_dot", hs)((blocks(B * T * NH * hs // 8),), (BLOCK,),
                                                (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))
-        return B, T, hs, D
+        return B, T, hs, D, bias_sums
 
     def backward(self, dqkv, dout, qkv, out, lse, NH):
-        # D = rowsum(dout * out), then dK and dV per key tile, dQ per query tile (deterministic sums)
-        B, T, hs, D = self._rowsum(dqkv, dout, qkv, out, NH)
-        args = (dqkv, dout, qkv, lse, D, np.int32(T), np.int32(NH), np.float32(hs ** -0.5))
+        # D = rowsum(dout * out), then dK and dV per key tile, dQ per query tile (deterministic sums); each
+        # warp also writes the column sums of its 16 rows of dqkv, which it returns
+        B, T, hs, D, bias_sums = self._rowsum(dqkv, dout, qkv, out, NH)
+        args = (dqkv, bias_sums, dout, qkv, lse, D, np.int32(T), np.int32(NH), np.float32(hs ** -0.5))
         threads = (32 * self.WARPS,)
         self._kernel("flash_backward_dkv", hs)((blocks(T, self.BK), B * NH), threads, args)
         self._kernel("flash_backward_dq", hs)((blocks(T, self.BQ), B * NH), threads, args)
+        return bias_sums
 
 
 class HopperFlashAttention(FlashAttention):
@@ -195,10 +202,11 @@ class HopperFlashAttention(FlashAttention):
                      (out, lse, qkv_map, np.int32(T), np.int32(NH), np.int32(B * NH), np.float32(hs ** -0.5)))
 
     def backward(self, dqkv, dout, qkv, out, lse, NH):
-        B, T, hs, D = self._rowsum(dqkv, dout, qkv, out, NH)
+        B, T, hs, D, bias_sums = self._rowsum(dqkv, dout, qkv, out, NH)
         dout_map = self.maps.rows(dout, hs, self.COPY_ROWS)
         qkv_map = self.maps.rows(qkv, hs, self.COPY_ROWS)
-        args = (dqkv, dout_map, qkv_map, lse, D, np.int32(T), np.int32(NH), np.int32(B * NH),
+        args = (dqkv, bias_sums, dout_map, qkv_map, lse, D, np.int32(T), np.int32(NH), np.int32(B * NH),
                 np.float32(hs ** -0.5))
         self._launch("flash_backward_dkv", hs, T, B, NH, args)
         self._launch("flash_backward_dq", hs, T, B, NH, args)
+        return bias_sums

@@ -271,9 +271,9 @@ class CupyBackend:
         self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)
 
     def _bias_gradient(self, dbias, dout, pre_gelu=None, gelu_out=None):
-        # dbias += dout's column sums, by our own kernel (matmul.cu), through a GELU when pre_gelu is given:
-        # cuBLASLt's epilogue for it (BGRADB) made each weight-gradient GEMM slower by more than the kernel
-        # takes
+        # dbias += dout's column sums (dout a gradient, or fp32 partial sums), by our own kernel (matmul.cu),
+        # through a GELU when pre_gelu is given: cuBLASLt's epilogue for it (BGRADB) made each
+        # weight-gradient GEMM slower by more than the kernel takes
         if dbias is None and pre_gelu is None:
             return
         OC = dout.shape[-1]
@@ -283,9 +283,8 @@ class CupyBackend:
         col_blocks = blocks(OC // pack, 32)
         row_blocks = max(1, min(blocks(N, 8), blocks(4 * self.num_sms, col_blocks)))
         partial = self._buffer("bias_partial", (row_blocks, OC), FP32)
-        self._kernel("matmul", "bias_backward_partial")((col_blocks, row_blocks), (32, 8),
-                                                        (partial, dout, np.int32(N), np.int32(OC), pre_gelu,
-                                                         gelu_out))
+        self._kernel("matmul", "bias_backward_partial", dout.dtype)(
+            (col_blocks, row_blocks), (32, 8), (partial, dout, np.int32(N), np.int32(OC), pre_gelu, gelu_out))
         if dbias is not None:
             self._add_partial_sums(dbias, partial, row_blocks, OC)
 
@@ -298,8 +297,12 @@ class CupyBackend:
     def attention_forward(self, out, saved, qkv, NH):
         self.attention.forward(out, saved, qkv, NH)
 
-    def attention_backward(self, dqkv, dout, qkv, out, saved, NH):
-        self.attention.backward(dqkv, dout, qkv, out, saved, NH)
+    def attention_backward(self, dqkv, dbias, dout, qkv, out, saved, NH):
+        # dbias += dqkv's column sums. The flash kernels add them up from the registers that write dqkv, 16
+        # rows at a time (bias_sums: one fp32 row per 16 of dqkv's, an eighth of its bytes), which spares a
+        # pass that reads dqkv back; the other algorithms return None, and dqkv itself is summed
+        bias_sums = self.attention.backward(dqkv, dout, qkv, out, saved, NH)
+        self._bias_gradient(dbias, dqkv if bias_sums is None else bias_sums)
 
     # ---------------------------------------------------------------- gelu: fp32's (bf16's is in the GEMM)
 

@@ -183,8 +183,10 @@ class NumpyBackend:
     def attention_forward(self, out, att, qkv, NH):
         out[...], att[...] = ref.attention_forward(qkv, NH)
 
-    def attention_backward(self, dqkv, dout, qkv, out, att, NH):
+    def attention_backward(self, dqkv, dbias, dout, qkv, out, att, NH):
         dqkv[...] = ref.attention_backward(dout, qkv, att, NH)   # the probabilities att make out unneeded
+        if dbias is not None:
+            dbias += column_sums(dqkv)
 
     def gelu_forward(self, out, inp):
         out[...] = ref.gelu_forward(inp)

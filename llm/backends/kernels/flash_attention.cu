@@ -20,7 +20,9 @@
 //   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = dS K * scale,   dK = dS^T Q * scale.
 // Here it runs as two kernels, so that every sum is made by one thread block in a fixed order (the same
 // result on every run, no atomics): one block per key tile sums dK and dV over the query tiles that see it,
-// and one block per query tile sums dQ over its key tiles.
+// and one block per query tile sums dQ over its key tiles. As each warp writes its 16 rows of dQ, dK or dV,
+// it also writes their column sums (store_gradient, flash_tiles.cuh): the qkv layer's bias gradient is the
+// column sum of dqkv, and adding up those partial rows is cheaper than reading dqkv back.
 //
 // The products run on the tensor cores through mma.sync.m16n8k16 (a warp multiplies a 16x16 bf16 tile by a
 // 16x8 one into a 16x8 fp32 tile). Each warp owns 16 rows of its block's tile. Tiles come from global memory
@@ -197,8 +199,8 @@ extern "C" __global__ void flash_backward_dot(float* D, const bf16* dout, const 
 //   P^T = exp(S^T - lse) (0 above the diagonal),  dS^T = P^T * (dP^T - D),  dV += P^T dO,  dK += dS^T Q.
 // Shared memory: Q and dO tiles, two of each in flight, and their rows' lse and D.
 extern "C" __global__ void __launch_bounds__(THREADS)
-flash_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D,
-                   int T, int NH, float scale) {
+flash_backward_dkv(bf16* dqkv, float* bias_sums, const bf16* dout, const bf16* qkv, const float* lse,
+                   const float* D, int T, int NH, float scale) {
     __shared__ alignas(128) bf16 sQ[2 * BQ * HS], sdO[2 * BQ * HS];
     __shared__ float sL[2 * BQ], sD[2 * BQ];
     const int C = NH * HS;
@@ -252,18 +254,16 @@ flash_backward_dkv(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* l
         __syncthreads();
     }
 
-    const float scales[2] = {scale, scale}, ones[2] = {1.0f, 1.0f};
-    bf16* rows = dqkv + (long long)b * T * 3 * C + h * HS;
-    store_rows(rows + C, 3 * C, key0, T, dk, scales);
-    store_rows(rows + 2 * C, 3 * C, key0, T, dv, ones);
+    store_gradient(dqkv, bias_sums, 1, b, h, C, key0, T, dk, scale);
+    store_gradient(dqkv, bias_sums, 2, b, h, C, key0, T, dv, 1.0f);
 }
 
 // dQ of one query tile. Grid (T / BQ query tiles, B * NH), 128 threads; warp w owns queries q0 + 16w ...
 // Its rows of Q and dO stay in registers; it walks the key tiles up to the diagonal:
 //   P = exp(S - lse) (0 above the diagonal),  dS = P * (dP - D),  dQ += dS K.
 extern "C" __global__ void __launch_bounds__(THREADS)
-flash_backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D,
-                  int T, int NH, float scale) {
+flash_backward_dq(bf16* dqkv, float* bias_sums, const bf16* dout, const bf16* qkv, const float* lse,
+                  const float* D, int T, int NH, float scale) {
     const float scale_log2 = scale * LOG2E;
     __shared__ alignas(128) bf16 sK[2][BK * HS], sV[2][BK * HS];
     const int C = NH * HS;
@@ -307,6 +307,5 @@ flash_backward_dq(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* ls
         __syncthreads();
     }
 
-    const float scales[2] = {scale, scale};
-    store_rows(dqkv + (long long)b * T * 3 * C + h * HS, 3 * C, row0, T, dq, scales);
+    store_gradient(dqkv, bias_sums, 0, b, h, C, row0, T, dq, scale);
 }

@@ -356,7 +356,7 @@ struct DkvSmem {
 extern "C" __device__ int flash_backward_dkv_smem = sizeof(DkvSmem) + 1024;
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_backward_dkv(bf16* dqkv, const __grid_constant__ TensorMap dout_map,
+flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorMap dout_map,
                    const __grid_constant__ TensorMap qkv_map,
                    const float* lse, const float* D, int T, int NH, int heads, float scale) {
     DkvSmem& sm = align_smem<DkvSmem>();
@@ -439,10 +439,8 @@ flash_backward_dkv(bf16* dqkv, const __grid_constant__ TensorMap dout_map,
             }
             release(sm.empty, g);
         }
-        const float scales[2] = {scale, scale}, ones[2] = {1.0f, 1.0f};
-        bf16* rows = dqkv + (long long)w.b * T * 3 * C + w.h * HS;
-        store_rows(rows + C, 3 * C, key0, T, dk, scales);
-        store_rows(rows + 2 * C, 3 * C, key0, T, dv, ones);
+        store_gradient(dqkv, bias_sums, 1, w.b, w.h, C, key0, T, dk, scale);
+        store_gradient(dqkv, bias_sums, 2, w.b, w.h, C, key0, T, dv, 1.0f);
     }
 }
 
@@ -456,7 +454,7 @@ struct DqSmem {
 extern "C" __device__ int flash_backward_dq_smem = sizeof(DqSmem) + 1024;
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_backward_dq(bf16* dqkv, const __grid_constant__ TensorMap dout_map,
+flash_backward_dq(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorMap dout_map,
                   const __grid_constant__ TensorMap qkv_map,
                   const float* lse, const float* D, int T, int NH, int heads, float scale) {
     DqSmem& sm = align_smem<DqSmem>();
@@ -527,7 +525,6 @@ flash_backward_dq(bf16* dqkv, const __grid_constant__ TensorMap dout_map,
             }
             release(sm.empty, g);
         }
-        const float scales[2] = {scale, scale};
-        store_rows(dqkv + (long long)w.b * T * 3 * C + w.h * HS, 3 * C, row0, T, dq, scales);
+        store_gradient(dqkv, bias_sums, 0, w.b, w.h, C, row0, T, dq, scale);
     }
 }

@@ -85,6 +85,39 @@ __device__ __forceinline__ void store_rows(bf16* dst, long long stride, int row0
     }
 }
 
+// The backward's store: a warp's 16 x HS tile of dQ, dK or dV (part 0, 1 or 2) of head h, times scale, into
+// dqkv (B, T, 3C) as store_rows writes it, and the tile's column sums (of the values as rounded to bf16)
+// into row b * ceil(T / 16) + row0 / 16 of bias_sums (B * ceil(T / 16), 3C) fp32. Those rows, added up
+// later, are the qkv layer's bias gradient, the column sums of dqkv: made here from the registers, they
+// spare a pass that reads dqkv back. The 8 lanes of a quad position q hold the same columns; three
+// shuffles add their rows, and lanes 0-3 write. A warp whose rows all lie past T writes nothing.
+__device__ __forceinline__ void store_gradient(bf16* dqkv, float* bias_sums, int part, int b, int h, int C,
+                                               int row0, int T, const float acc[][4], float scale) {
+    if (row0 >= T) return;
+    const float scales[2] = {scale, scale};
+    store_rows(dqkv + (long long)b * T * 3 * C + part * C + h * HS, 3 * C, row0, T, acc, scales);
+    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    float* sums = bias_sums + ((long long)b * ((T + 15) / 16) + row0 / 16) * 3 * C + part * C + h * HS;
+    #pragma unroll
+    for (int dn = 0; dn < HS / 8; dn++) {
+        float2 s = make_float2(0.0f, 0.0f);
+        #pragma unroll
+        for (int r = 0; r < 2; r++) {
+            if (row0 + g + 8 * r >= T) continue;
+            const float2 v = __bfloat1622float2(
+                __floats2bfloat162_rn(acc[dn][2 * r] * scale, acc[dn][2 * r + 1] * scale));
+            s.x += v.x;
+            s.y += v.y;
+        }
+        #pragma unroll
+        for (int offset = 4; offset < 32; offset *= 2) {
+            s.x += __shfl_xor_sync(0xffffffffu, s.x, offset);
+            s.y += __shfl_xor_sync(0xffffffffu, s.y, offset);
+        }
+        if (g == 0) *reinterpret_cast<float2*>(sums + 8 * dn + 2 * q) = s;
+    }
+}
+
 // 2^x by the special-function unit in one instruction (exp2f without fast math adds range handling);
 // ex2.approx(-inf) = 0, which is what the causal mask relies on.
 __device__ __forceinline__ float fast_exp2(float x) {
