@@ -75,9 +75,11 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
       "torch.compile (nanoGPT's model)=$OUT/table_torch.log" --yardstick "torch.compile (nanoGPT's model)" \
       --limit 983000   # 790 TFLOP/s over d12's 0.80 GFLOP a token at T=1024
     grep -A 18 "^per-op" "$OUT/table.log" ;;
-  kernels) # one d12 B=64 step kernel by kernel (CUPTI): GEMMs, attention, the rest, and the GPU's idle time
-    timeout 300 python3 -m bench.kernels 2>&1 | tee "$OUT/kernels.log" | head -12
-    timeout 400 python3 -m bench.kernels --torch 2>&1 | tee "$OUT/kernels_torch.log" | head -12 ;;
+  kernels) # one d12 B=64 step kernel by kernel (CUPTI): GEMMs, attention, the rest, the GPU's idle time,
+           # where it waits, and (ours) the host's calls around the longest wait
+    timeout 300 python3 -m bench.kernels --top 12 2>&1 | tee "$OUT/kernels.log" | grep -v -i warn
+    timeout 400 python3 -m bench.kernels --torch --top 12 2>&1 | tee "$OUT/kernels_torch.log" |
+      grep -v -i warn ;;
   zero)    # ZeRO-1's memory per rank as llm.c's PR measured it: d48, B=4, four ranks on this one GPU
     for z in 0 1; do
       nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 \

@@ -7,8 +7,9 @@ training runs them, CUDA graphs and all, and nothing is added between the kernel
     python -m bench.kernels --torch      the same for torch.compile's step (bench/torch_gpt2.py's model)
 
 Prints the milliseconds of kernels a step, split into GEMMs, attention and the rest; the idle time between
-kernels; the kernels that take the most time, with their calls a step; and the largest idle gaps, by the
-kernels around them.
+kernels; the kernels that take the most time, with their calls a step; the largest idle gaps, by the
+kernels around them; and the host's CUDA calls around the longest gap, to tell a late host from a GPU that
+waits on something else.
 """
 import collections
 import time
@@ -35,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 GEMM = ("gemm", "nvjet", "xmma", "cutlass", "matmul")
 ATTENTION = ("flash", "fmha", "attention", "sdpa")
 GAPS = 8   # the largest idle gaps listed, summed by the pair of kernels around them
+HOST_CALLS = 24   # the host's last CUDA calls listed around the longest gap
 
 
 def kind(name):
@@ -55,10 +57,12 @@ def report(prof, steps, label, top):
         kinds[kind(name)] += ms
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
     idle, end, before, gaps = 0.0, spans[0][1], spans[0][2], collections.defaultdict(float)
+    longest = (0.0, 0.0)   # the longest single gap, (from, to) in microseconds
     for start, stop, name in spans[1:]:
         if start > end:   # the GPU ran nothing from the end of `before` to the start of `name`
             idle += start - end
             gaps[(before[:40], name[:40])] += start - end
+            longest = max(longest, (end, start), key=lambda gap: gap[1] - gap[0])
         if stop >= end:
             end, before = stop, name
     print(f"{label}: {sum(total.values()) / steps:.2f} ms of kernels a step (" +
@@ -69,6 +73,18 @@ def report(prof, steps, label, top):
     print("where the GPU waits, a step (the kernel before the gap -> the kernel after it):")
     for pair in sorted(gaps, key=gaps.get, reverse=True)[:GAPS]:
         print(f"{gaps[pair] / 1000 / steps:9.3f} ms  {pair[0]} -> {pair[1]}")
+    # whether the host was late: its CUDA calls that ended in the 3 ms before the longest gap or ran during
+    # it, on the kernels' clock (a copy or launch issued only near the gap's end means the GPU waited for the
+    # host; a wait, such as cudaEventSynchronize, shows when the host woke)
+    gap_from, gap_to = longest
+    calls_then = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CPU
+                        and e.time_range.end >= gap_from - 3000 and e.time_range.start <= gap_to)
+    print(f"the longest gap, {(gap_to - gap_from) / 1000:.3f} ms, and the host's CUDA calls around it "
+          f"(start and end, ms from the gap's start)" if calls_then else
+          "the profile holds no host calls to set beside the longest gap")
+    for start, stop, name in calls_then[-HOST_CALLS:]:
+        print(f"{(start - gap_from) / 1000:+9.3f} {(stop - gap_from) / 1000:+9.3f} ms  {name[:60]}")
 
 
 def ours(args):
@@ -129,7 +145,9 @@ def main(argv):
     t0 = time.perf_counter()
     run_steps(args.steps)
     print(f"{label}: {(time.perf_counter() - t0) * 1000 / args.steps:.1f} ms a step without the profiler")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # the host's side as well for ours, which has no torch ops to record: only its CUDA calls
+    activities = [ProfilerActivity.CUDA] + ([] if args.torch else [ProfilerActivity.CPU])
+    with profile(activities=activities) as prof:
         run_steps(args.steps)
     report(prof, args.steps, label, args.top)
 

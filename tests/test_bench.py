@@ -1,6 +1,8 @@
 """bench/table.py reads bench/step.py's and bench/torch_gpt2.py's logs into the side-by-side table: the
 figure it takes is the time of the steps in a row, and a log without one is one line, not a wrong row.
-The benchmarks' counts and lengths are checked before anything runs."""
+The benchmarks' counts and lengths are checked before anything runs. bench/kernels.py's report adds up
+the GPU's idle gaps and sets the host's calls beside the longest."""
+import os
 import subprocess
 import sys
 
@@ -57,3 +59,51 @@ def test_a_count_or_length_a_benchmark_cannot_use_is_one_line(args, message):
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("error: ") and message in proc.stderr
+
+
+def test_the_kernel_report_sums_idle_gaps_by_the_kernels_around_them_and_shows_the_host_beside_the_longest(
+        monkeypatch, capsys):
+    """bench/kernels.py's report on a made-up profile (it needs torch only for the profiler, stood in for
+    here): two steps whose input copy comes 1.29 and 0.5 ms after the memset before it, and one other gap."""
+    import enum
+    import importlib.machinery
+    import importlib.util
+    import types
+    torch = types.ModuleType("torch")
+    torch.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+    device = enum.Enum("DeviceType", "CPU CUDA")
+    torch.autograd = types.SimpleNamespace(DeviceType=device)
+    profiler = types.ModuleType("torch.profiler")
+    profiler.ProfilerActivity, profiler.profile = types.SimpleNamespace(CPU=0, CUDA=1), None
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.profiler", profiler)
+    path = os.path.join(REPO, "bench", "kernels.py")
+    spec = importlib.util.spec_from_file_location("kernels_on_a_stand_in", path)
+    kernels = importlib.util.module_from_spec(spec)   # loaded beside, not as bench.kernels
+    spec.loader.exec_module(kernels)
+
+    def event(name, start, end, on=device.CUDA):
+        return types.SimpleNamespace(name=name, time_range=types.SimpleNamespace(start=start, end=end),
+                                     device_type=on, device_time_total=end - start)
+    events = []
+    for t0, late in ((0, 1290), (3500, 500)):   # microseconds
+        events += [event("adamw", t0, t0 + 1300), event("Memset (Device)", t0 + 1300, t0 + 1310),
+                   event("Memcpy HtoD (Pinned -> Device)", t0 + 1310 + late, t0 + 1320 + late),
+                   event("flash_forward", t0 + 1320 + late, t0 + 1400 + late),
+                   event("cudaMemcpyAsync", t0 + 1300 + late, t0 + 1305 + late, device.CPU)]
+    events += [event("gemm", 3000, 3100), event("cudaEventSynchronize", 0, 20, device.CPU)]
+    kernels.report(types.SimpleNamespace(events=lambda: events), 2, "made up", 3)
+    out = capsys.readouterr().out.splitlines()
+    # kernels: 2 x (1.3 + 0.01 + 0.01 + 0.08) + 0.1 ms over 2 steps; idle: 1.29 + 0.5 and the gaps around
+    # gemm (3000 - 2690, 3500 - 3100) over 2 steps
+    assert out[0] == ("made up: 1.45 ms of kernels a step (attention 0.08, gemm 0.05, other 1.32); "
+                      "idle between them 1.25 ms a step")
+    heading = "where the GPU waits, a step (the kernel before the gap -> the kernel after it):"
+    gaps = out[out.index(heading) + 1:]
+    assert gaps[0] == "    0.895 ms  Memset (Device) -> Memcpy HtoD (Pinned -> Device)"
+    assert gaps[1:3] == ["    0.200 ms  gemm -> adamw", "    0.155 ms  flash_forward -> gemm"]
+    host = out.index("the longest gap, 1.290 ms, and the host's CUDA calls around it (start and end, ms from "
+                     "the gap's start)")
+    # the host woke 1.29 ms before the gap began, and copied the ids in only 1.28 ms into it
+    assert out[host + 1:] == ["   -1.310    -1.290 ms  cudaEventSynchronize",
+                              "   +1.280    +1.285 ms  cudaMemcpyAsync"]
