@@ -56,12 +56,14 @@ def report(prof, steps, label, top):
     for name, ms in total.items():
         kinds[kind(name)] += ms
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
-    idle, end, before, gaps = 0.0, spans[0][1], spans[0][2], collections.defaultdict(float)
+    idle, end, before = 0.0, spans[0][1], spans[0][2]
+    gaps, gap_count = collections.defaultdict(float), collections.Counter()
     longest = (0.0, 0.0)   # the longest single gap, (from, to) in microseconds
     for start, stop, name in spans[1:]:
         if start > end:   # the GPU ran nothing from the end of `before` to the start of `name`
             idle += start - end
             gaps[(before[:40], name[:40])] += start - end
+            gap_count[(before[:40], name[:40])] += 1
             longest = max(longest, (end, start), key=lambda gap: gap[1] - gap[0])
         if stop >= end:
             end, before = stop, name
@@ -70,9 +72,10 @@ def report(prof, steps, label, top):
           f"); idle between them {idle / 1000 / steps:.2f} ms a step")
     for name in sorted(total, key=total.get, reverse=True)[:top]:
         print(f"{total[name] / steps:9.3f} ms {calls[name] // steps:5d}x  {kind(name):<9} {name[:110]}")
-    print("where the GPU waits, a step (the kernel before the gap -> the kernel after it):")
+    # how many gaps make each sum: one long wait (at the first step, say) reads differently from one a step
+    print("where the GPU waits, a step (how many gaps in all: the kernel before them -> the kernel after):")
     for pair in sorted(gaps, key=gaps.get, reverse=True)[:GAPS]:
-        print(f"{gaps[pair] / 1000 / steps:9.3f} ms  {pair[0]} -> {pair[1]}")
+        print(f"{gaps[pair] / 1000 / steps:9.3f} ms {gap_count[pair]:4d}x  {pair[0]} -> {pair[1]}")
     # whether the host was late: its CUDA calls that ended in the 3 ms before the longest gap or ran during
     # it, on the kernels' clock (a copy or launch issued only near the gap's end means the GPU waited for the
     # host; a wait, such as cudaEventSynchronize, shows when the host woke)

@@ -98,10 +98,11 @@ def test_the_kernel_report_sums_idle_gaps_by_the_kernels_around_them_and_shows_t
     # gemm (3000 - 2690, 3500 - 3100) over 2 steps
     assert out[0] == ("made up: 1.45 ms of kernels a step (attention 0.08, gemm 0.05, other 1.32); "
                       "idle between them 1.25 ms a step")
-    heading = "where the GPU waits, a step (the kernel before the gap -> the kernel after it):"
+    heading = ("where the GPU waits, a step (how many gaps in all: the kernel before them -> the kernel "
+               "after):")
     gaps = out[out.index(heading) + 1:]
-    assert gaps[0] == "    0.895 ms  Memset (Device) -> Memcpy HtoD (Pinned -> Device)"
-    assert gaps[1:3] == ["    0.200 ms  gemm -> adamw", "    0.155 ms  flash_forward -> gemm"]
+    assert gaps[0] == "    0.895 ms    2x  Memset (Device) -> Memcpy HtoD (Pinned -> Device)"
+    assert gaps[1:3] == ["    0.200 ms    1x  gemm -> adamw", "    0.155 ms    1x  flash_forward -> gemm"]
     host = out.index("the longest gap, 1.290 ms, and the host's CUDA calls around it (start and end, ms from "
                      "the gap's start)")
     # the host woke 1.29 ms before the gap began, and copied the ids in only 1.28 ms into it
