@@ -1,5 +1,6 @@
 // The part of a Linear layer that cuBLAS does not do: the bias gradient in the backward (cuBLASLt's epilogue
 // adds the bias in the forward). Its per-block partial sums are added up by reduce.cu's add_partial_sums.
+// Built for fp32 as well, it adds up the partial column sums of dqkv that flash attention's backward writes.
 #include "common.cuh"
 #include "gelu.cuh"
 
