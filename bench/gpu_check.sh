@@ -2,8 +2,9 @@
 # One pass on a GPU machine: versions, the backend's op checks, test_gpt2 in fp32 and bf16, and the d12
 # throughput benchmark beside torch.compile's. Logs go to $OUT (or ./gpu_logs).
 # Usage: bash bench/gpu_check.sh [stage ...]
-# stages: env attn ops test opsbench table kernels bench small torch d48 d48max zero train mpi ckpt hf
-# (default: env ops test table)
+# stages: env attn ops test opsbench table kernels ab bench small torch d48 d48max zero train mpi ckpt hf
+# (default: env ops test table). ab compares this tree with the one in $BASELINE (say, `git archive
+# COMMIT | tar -x -C DIR`), d12 B=64 steps in a row, alternating, with each one's per-op table.
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache} \
@@ -60,7 +61,8 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
       grep -q "in a row" "$OUT/d48max_b$B.log" && break
     done
     for B in 24 32 40 48; do
-      timeout 400 python3 -m bench.torch_gpt2 --model d48 -b $B -t 1024 --steps 2 > "$OUT/d48max_torch_b$B.log" 2>&1
+      timeout 400 python3 -m bench.torch_gpt2 --model d48 -b $B -t 1024 --steps 2 \
+        > "$OUT/d48max_torch_b$B.log" 2>&1
       tail -1 "$OUT/d48max_torch_b$B.log" | sed "s/^/torch.compile B=$B: /"
       grep -q "in a row" "$OUT/d48max_torch_b$B.log" || break
     done ;;
@@ -80,6 +82,27 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     timeout 300 python3 -m bench.kernels --top 12 2>&1 | tee "$OUT/kernels.log" | grep -v -i warn
     timeout 400 python3 -m bench.kernels --torch --top 12 2>&1 | tee "$OUT/kernels_torch.log" |
       grep -v -i warn ;;
+  ab)      # a lever before and after: this tree against $BASELINE's, alternating twice, in one call
+    [ -d "${BASELINE:-}/llm" ] || { echo "ab needs BASELINE=DIR, a tree of the project"; continue; }
+    for round in 1 2; do
+      for side in after before; do
+        dir=.; [ $side = before ] && dir=$BASELINE
+        (cd "$dir" && timeout 200 python3 -m bench.step --backend cupy --steps 20 2>&1) \
+          > "$OUT/ab_${side}_$round.log"
+        echo "$side, round $round: $(grep -E 'in a row' "$OUT/ab_${side}_$round.log")"
+      done
+    done
+    python3 - "$OUT/ab_before_1.log" "$OUT/ab_after_1.log" <<'OPS'   # the per-op tables, op by op
+import re, sys
+def table(path):   # bench/step.py's per-op table, the last thing it prints: op -> ms
+    text = open(path).read().split("\nop ", 1)[-1]
+    return {op: float(ms) for op, ms in re.findall(r"^(\w+) +\d+ +([\d.]+) ", text, re.M)}
+before, after = table(sys.argv[1]), table(sys.argv[2])
+print(f"{'op, one step without graphs (round 1)':<40}{'before ms':>10}{'after ms':>10}")
+for op in sorted(before.keys() | after.keys(), key=lambda op: -before.get(op, 0.0)):
+    print(f"{op:<40}{before.get(op, float('nan')):10.2f}{after.get(op, float('nan')):10.2f}")
+OPS
+    ;;
   zero)    # ZeRO-1's memory per rank as llm.c's PR measured it: d48, B=4, four ranks on this one GPU
     for z in 0 1; do
       nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 \
