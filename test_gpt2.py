@@ -48,7 +48,7 @@ BF16_GRAD_ABS = dict(wte=5e-1, wpe=4e-3, ln1w=1e-1, ln1b=4e-2, qkvw=5e-2, qkvb=3
 
 def reference_run(config, params, x, y, steps):
     """The float64 reference: logits, loss and grads at step 0, then the losses of `steps` AdamW steps."""
-    p = {name: view.astype(np.float64) for name, view in ParamViews(params.astype(np.float64), config)}
+    p = ParamViews(params, config).copies(np.float64)
     m = {k: np.zeros_like(a) for k, a in p.items()}
     v = {k: np.zeros_like(a) for k, a in p.items()}
     losses = []

@@ -215,7 +215,7 @@ def write_debug_state(path, config, params, x, y):
     """llm.c's debug state: the batch x, y with reference/'s float64 logits (the V real columns), mean loss
     and gradients (llm.c's flat layout, wte's padding rows 0) of the model on it."""
     print(f"computing the debug state of B={x.shape[0]}, T={x.shape[1]} with reference/ in float64")
-    p = {name: view.astype(np.float64) for name, view in ParamViews(params, config)}
+    p = ParamViews(params, config).copies(np.float64)
     logits, loss, cache = ref.gpt2_forward(p, config, x, y)
     grads = ref.gpt2_backward(p, config, cache)
     flat = np.zeros(config.num_parameters, dtype=np.float32)

@@ -58,6 +58,10 @@ class ParamViews:
         """(name, view) pairs in llm.c's order."""
         return ((name, getattr(self, name)) for name in PARAM_NAMES)
 
+    def copies(self, dtype):
+        """{name: a copy of the tensor in dtype}: the dict of named arrays reference/ computes with."""
+        return {name: view.astype(dtype) for name, view in self}
+
 
 def decay_segments(config, start, stop):
     """Split the flat range [start, stop) into runs of constant weight-decay flag.

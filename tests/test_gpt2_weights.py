@@ -316,7 +316,7 @@ def test_debug_state_is_the_references_first_batch_and_test_gpt2_passes_against_
     state = formats.read_debug_state(out / "gpt2_d2c64h4_debug_state.bin", config)
     np.testing.assert_array_equal(state["x"], tokens[:4 * maxT].reshape(4, maxT))      # T = maxT = 32 < 64
     np.testing.assert_array_equal(state["y"], tokens[1:4 * maxT + 1].reshape(4, maxT))
-    p = {name: view.astype(np.float64) for name, view in ParamViews(params, config)}
+    p = ParamViews(params, config).copies(np.float64)
     logits, loss, cache = gpt2_forward(p, config, state["x"], state["y"])
     assert state["loss"] == np.float32(loss) and 5 < loss < 20       # float64, stored as float32
     np.testing.assert_array_equal(state["logits"], logits[..., :V].astype(np.float32))

@@ -39,7 +39,7 @@ def train_micro_step(m, batch, dloss=1.0 / (B * T)):
 
 def test_forward_backward_equal_the_float64_reference(batch):
     logits, losses, grads = train_micro_step(model(), batch)
-    p = {name: view.astype(np.float64) for name, view in ParamViews(init_params(CONFIG), CONFIG)}
+    p = ParamViews(init_params(CONFIG), CONFIG).copies(np.float64)
     ref_logits, ref_loss, cache = ref.gpt2_forward(p, CONFIG, *batch)
     ref_grads = ref.gpt2_backward(p, CONFIG, cache)
     assert np.abs(logits - ref_logits).max() < 1e-4

@@ -63,7 +63,7 @@ def test_same_seed_gives_the_same_text_and_another_seed_another(files):
 
 def test_top_k_1_is_greedy_decoding_by_the_reference_forward(files):
     printed = text_of(run_sample(files, "-n", 12, "--top_k", 1, "--seed", 99))
-    p = {name: view.astype(np.float64) for name, view in ParamViews(init_params(CONFIG), CONFIG)}
+    p = ParamViews(init_params(CONFIG), CONFIG).copies(np.float64)
     tokens = [EOT]
     for _ in range(12):   # the float64 reference over exactly the tokens so far, argmax over the V real ids
         logits, _, _ = ref.gpt2_forward(p, CONFIG, np.array([tokens]))

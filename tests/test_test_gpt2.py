@@ -32,7 +32,7 @@ def write_debug_state(tmp_path, config, params, corrupt=None):
     rng = np.random.default_rng(5)
     x = rng.integers(0, config.vocab_size, (2, 16), dtype=np.int32)
     y = rng.integers(0, config.vocab_size, (2, 16), dtype=np.int32)
-    p = {name: view.astype(np.float64) for name, view in ParamViews(params, config)}
+    p = ParamViews(params, config).copies(np.float64)
     logits, loss, cache = ref.gpt2_forward(p, config, x, y)
     grads = ref.gpt2_backward(p, config, cache)
     flat = np.concatenate([grads[name].ravel() for name in PARAM_NAMES]).astype(np.float32)
