@@ -79,6 +79,8 @@ def report(prof, steps, label, top):
     # whether the host was late: its CUDA calls that ended in the 3 ms before the longest gap or ran during
     # it, on the kernels' clock (a copy or launch issued only near the gap's end means the GPU waited for the
     # host; a wait, such as cudaEventSynchronize, shows when the host woke)
+    if not gaps:
+        return
     gap_from, gap_to = longest
     calls_then = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                         if e.device_type == torch.autograd.DeviceType.CPU
@@ -140,7 +142,7 @@ def main(argv):
     parser.add_argument("--steps", type=positive_int, default=3, help="profiled steps, after warm-up ones")
     parser.add_argument("--attention", default="auto", choices=["auto", "cudnn"])
     parser.add_argument("--torch", action="store_true", help="profile torch.compile's step instead")
-    parser.add_argument("--top", type=int, default=25, help="kernels to list")
+    parser.add_argument("--top", type=positive_int, default=25, help="kernels to list")
     args = parser.parse_args(argv)
     check_length(parser, args.model, GPT2Config.from_descriptor(args.model), args.t)
     run_steps, label = (theirs if args.torch else ours)(args)

@@ -108,3 +108,8 @@ def test_the_kernel_report_sums_idle_gaps_by_the_kernels_around_them_and_shows_t
     # the host woke 1.29 ms before the gap began, and copied the ids in only 1.28 ms into it
     assert out[host + 1:] == ["   -1.310    -1.290 ms  cudaEventSynchronize",
                               "   +1.280    +1.285 ms  cudaMemcpyAsync"]
+    # kernels back to back: no gap to list, and no host calls set beside one
+    tight = [event("a", 0, 10), event("b", 10, 30)]
+    kernels.report(types.SimpleNamespace(events=lambda: tight), 1, "tight", 3)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("idle between them 0.00 ms a step") and out[-1] == heading
