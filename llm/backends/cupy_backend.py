@@ -179,12 +179,12 @@ class CupyBackend:
 
     # ---------------------------------------------------------------- layernorm
 
-    # layernorm_backward: warps per block, and blocks per SM up to LN_FUSED_CHANNELS. A lane holds its share
-    # of a row and of each column sum in registers. Up to C = 768 they fit two blocks per SM with the third
-    # sum (dbias_below): the fastest of five shapes on an H200 at d12 B=64 (0.166 ms; 16 x 1: 0.165, 12 x 1:
-    # 0.169, 4 x 3: 0.175, 8 x 1: 0.202), though its cap of 128 registers spills a little. Wider rows (d48's
-    # 1600) take one block per SM and sum dbias_below in a pass of its own: the third sum spilled there.
-    LN_WARPS, LN_BLOCKS, LN_FUSED_CHANNELS = 8, 2, 768
+    # layernorm_backward: warps per block, blocks per SM and rows loaded ahead, up to LN_FUSED_CHANNELS. A
+    # lane holds its share of a row and of each column sum in registers. Up to C = 768 they fit with the
+    # third sum (dbias_below) and the next row loaded ahead, at one block of 8 warps per SM (223 registers).
+    # Wider rows (d48's 1600) take no row ahead and sum dbias_below in a pass of its own: the third sum
+    # spilled there.
+    LN_WARPS, LN_BLOCKS, LN_AHEAD, LN_FUSED_CHANNELS = 8, 1, 1, 768
 
     def layernorm_forward(self, out, mean, rstd, inp, w, b):
         self._layernorm_forward(None, out, mean, rstd, inp, None, w, b)
@@ -209,12 +209,12 @@ class CupyBackend:
         check_packs((dinp, dout, inp, w), C=C)
         narrow = C <= self.LN_FUSED_CHANNELS
         sums = 3 if narrow and dbias_below is not None else 2
-        per_sm = self.LN_BLOCKS if narrow else 1
+        per_sm, ahead = (self.LN_BLOCKS, self.LN_AHEAD) if narrow else (1, 0)
         # per_sm blocks per SM, each holding its rows' sums in registers, then writing one partial row
         grid = min(blocks(N, self.LN_WARPS), per_sm * self.num_sms)
         partial = self._buffer(f"ln_partial{sums}", (grid, sums * C), FP32)
         self._kernel("layernorm", "layernorm_backward", CHANNELS=C, WARPS=self.LN_WARPS, SUMS=sums,
-                     BLOCKS=per_sm)(
+                     BLOCKS=per_sm, AHEAD=ahead)(
             (grid,), (32 * self.LN_WARPS,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N)))
         for k, out in enumerate((dw, db, dbias_below)[:sums]):
             self._add_partial_sums(out, partial.reshape(-1)[k * C:], grid, sums * C)
@@ -282,7 +282,9 @@ class CupyBackend:
         pack = 16 // dout.dtype.itemsize
         col_blocks = blocks(OC // pack, 32)
         row_blocks = max(1, min(blocks(N, 8), blocks(4 * self.num_sms, col_blocks)))
-        partial = self._buffer("bias_partial", (row_blocks, OC), FP32)
+        # one buffer per width: the MLP's pass and the qkv sums take turns, and one shared buffer would be
+        # reallocated at each turn when the step runs op by op
+        partial = self._buffer(f"bias_partial{OC}", (row_blocks, OC), FP32)
         self._kernel("matmul", "bias_backward_partial", dout.dtype)(
             (col_blocks, row_blocks), (32, 8), (partial, dout, np.int32(N), np.int32(OC), pre_gelu, gelu_out))
         if dbias is not None:
@@ -320,8 +322,9 @@ class CupyBackend:
         check_packs((logits,), Vp=Vp)
         check_int32("targets", targets)
         write = dloss is not None
-        self._kernel("classifier", "fused_classifier")(
-            (N,), (1024,), (logits, losses, targets, np.float32(dloss if write else 0.0), np.int32(write),
+        threads = 1024
+        self._kernel("classifier", "fused_classifier", THREADS=threads)(
+            (N,), (threads,), (logits, losses, targets, np.float32(dloss if write else 0.0), np.int32(write),
                             np.int32(V), np.int32(Vp)))
 
     # ---------------------------------------------------------------- optimizer

@@ -49,14 +49,32 @@ __device__ __forceinline__ void softmax_combine(float* m, float* s, float m2, fl
     *m = new_m;
 }
 
-// Fold the first n values of a pack (those before the row's end) into a running (m, s).
+// 2^x by the special-function unit in one instruction (exp2f without fast math adds range handling);
+// ex2.approx(-inf) = 0, which is what the causal mask relies on.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// exp(x - m) = 2^(x log2(e) - m log2(e)): one fused multiply-add and one ex2 per value, with m log2(e)
+// computed once per row.
+constexpr float LOG2E = 1.4426950408889634f;
+
+// Fold the first n values of a pack (those before the row's end) into a running (m, s). The sum is
+// rescaled only when the pack holds a new max, which stops happening once the row's largest values have
+// been seen: one exponential per value, not one more per pack.
 __device__ __forceinline__ void softmax_fold_pack(float* m, float* s, const Pack& p, int n) {
     float pack_max = LOWEST;
+    #pragma unroll
     for (int i = 0; i < PACK; i++) if (i < n) pack_max = fmaxf(pack_max, (float)p.v[i]);
-    const float new_m = fmaxf(*m, pack_max);
-    *s *= __expf(*m - new_m);
-    for (int i = 0; i < PACK; i++) if (i < n) *s += __expf((float)p.v[i] - new_m);
-    *m = new_m;
+    if (pack_max > *m) {
+        *s *= fast_exp2((*m - pack_max) * LOG2E);
+        *m = pack_max;
+    }
+    const float m_log2 = *m * LOG2E;
+    #pragma unroll
+    for (int i = 0; i < PACK; i++) if (i < n) *s += fast_exp2(fmaf((float)p.v[i], LOG2E, -m_log2));
 }
 
 // Combine the (m, s) of the 32 lanes of a warp; every lane gets the row's (max, sum).

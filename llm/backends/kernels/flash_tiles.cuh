@@ -16,7 +16,7 @@
 #endif
 
 typedef __nv_bfloat16 bf16;
-constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+constexpr float LN2 = 0.6931471805599453f;   // LOG2E is in common.cuh
 #define INF __int_as_float(0x7f800000)   // +infinity (NVRTC has no math.h)
 
 // ---- tiles in shared memory ------------------------------------------------------------------------------
@@ -116,14 +116,6 @@ __device__ __forceinline__ void store_gradient(bf16* dqkv, float* bias_sums, int
         }
         if (g == 0) *reinterpret_cast<float2*>(sums + 8 * dn + 2 * q) = s;
     }
-}
-
-// 2^x by the special-function unit in one instruction (exp2f without fast math adds range handling);
-// ex2.approx(-inf) = 0, which is what the causal mask relies on.
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 // ---- the math between the products ---------------------------------------------------------------------
