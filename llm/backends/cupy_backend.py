@@ -179,12 +179,10 @@ class CupyBackend:
 
     # ---------------------------------------------------------------- layernorm
 
-    # layernorm_backward: warps per block, blocks per SM and rows loaded ahead, up to LN_FUSED_CHANNELS. A
-    # lane holds its share of a row and of each column sum in registers. Up to C = 768 they fit with the
-    # third sum (dbias_below) and the next row loaded ahead, at one block of 8 warps per SM (223 registers).
-    # Wider rows (d48's 1600) take no row ahead and sum dbias_below in a pass of its own: the third sum
-    # spilled there.
-    LN_WARPS, LN_BLOCKS, LN_AHEAD, LN_FUSED_CHANNELS = 8, 1, 1, 768
+    # layernorm_backward's (warps per block, blocks per SM), for rows up to LN_FUSED_CHANNELS and wider. A lane
+    # holds its share of a row and of each column sum in registers. Up to C = 768 they fit with the third
+    # sum (dbias_below). Wider rows (d48's 1600) sum dbias_below in a pass of its own: the third sum spilled.
+    LN_NARROW, LN_WIDE, LN_FUSED_CHANNELS = (12, 1), (8, 1), 768
 
     def layernorm_forward(self, out, mean, rstd, inp, w, b):
         self._layernorm_forward(None, out, mean, rstd, inp, None, w, b)
@@ -198,7 +196,7 @@ class CupyBackend:
         C = inp1.shape[-1]
         N = inp1.size // C
         check_packs((out, inp1, w, b), C=C)
-        self._kernel("layernorm", "layernorm_forward", CHANNELS=C, WARPS=self.LN_WARPS)(
+        self._kernel("layernorm", "layernorm_forward", CHANNELS=C)(
             (blocks(N, BLOCK // 32),), (BLOCK,), (residual, out, mean, rstd, inp1, inp2, w, b, np.int32(N)))
 
     def layernorm_backward(self, dinp, dw, db, dout, inp, w, mean, rstd, dbias_below=None):
@@ -209,13 +207,12 @@ class CupyBackend:
         check_packs((dinp, dout, inp, w), C=C)
         narrow = C <= self.LN_FUSED_CHANNELS
         sums = 3 if narrow and dbias_below is not None else 2
-        per_sm, ahead = (self.LN_BLOCKS, self.LN_AHEAD) if narrow else (1, 0)
+        warps, per_sm = self.LN_NARROW if narrow else self.LN_WIDE
         # per_sm blocks per SM, each holding its rows' sums in registers, then writing one partial row
-        grid = min(blocks(N, self.LN_WARPS), per_sm * self.num_sms)
+        grid = min(blocks(N, warps), per_sm * self.num_sms)
         partial = self._buffer(f"ln_partial{sums}", (grid, sums * C), FP32)
-        self._kernel("layernorm", "layernorm_backward", CHANNELS=C, WARPS=self.LN_WARPS, SUMS=sums,
-                     BLOCKS=per_sm, AHEAD=ahead)(
-            (grid,), (32 * self.LN_WARPS,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N)))
+        self._kernel("layernorm", "layernorm_backward", CHANNELS=C, WARPS=warps, SUMS=sums, BLOCKS=per_sm)(
+            (grid,), (32 * warps,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N)))
         for k, out in enumerate((dw, db, dbias_below)[:sums]):
             self._add_partial_sums(out, partial.reshape(-1)[k * C:], grid, sums * C)
         if sums == 2:

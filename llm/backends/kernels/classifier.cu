@@ -4,7 +4,9 @@
 
 // One block of THREADS threads per row (B*T rows). Pass 1: each thread keeps an online softmax (max,
 // sum, common.cuh) over every THREADS-th pack of the row's first V columns; the warps combine theirs with
-// shuffles, then every thread combines the warps' in the same order.
+// shuffles, then every warp combines the warps' pairs by the same five shuffle steps and takes its lane
+// 0's, so that the block shares one (m, s). (A loop over the warps' pairs in every thread took 64
+// exponentials a thread, more than its packs.)
 // losses[row] = log(sum) + max - logit[target].
 // Pass 2, only when write_dlogits is set: overwrite the row with (probs - onehot) * dloss over the first V
 // columns and 0 over the padding V..Vp.
@@ -37,10 +39,12 @@ fused_classifier(floatX* logits, float* losses, const int* targets, float dloss,
         warp_s[warp] = s;
     }
     __syncthreads();
-    m = LOWEST;
-    s = 0.0f;
-    for (int k = 0; k < warps; k++)  // every thread, same order
-        softmax_combine(&m, &s, warp_m[k], warp_s[k]);
+    // every warp combines the warps' (m, s) alike, and takes its lane 0's: one (m, s) for the whole block
+    m = lane < warps ? warp_m[lane] : LOWEST;
+    s = lane < warps ? warp_s[lane] : 0.0f;
+    warp_softmax_combine(&m, &s);
+    m = __shfl_sync(0xffffffffu, m, 0);
+    s = __shfl_sync(0xffffffffu, s, 0);
     if (threadIdx.x == 0) losses[blockIdx.x] = logf(s) + m - target_logit;
     if (!write_dlogits) return;
     // prob = exp(x - m) / s = 2^(x log2(e) - shift)

@@ -78,58 +78,34 @@ extern "C" __global__ void layernorm_forward(floatX* residual, floatX* out, floa
 //   dinp += rstd * (g - mean(g) - n * mean(g * n)),  dw += sum over rows of dout * n,  db += sum of dout.
 // One warp per row at a time: warp `warp` of block k takes rows k * WARPS + warp, stepping by gridDim.x *
 // WARPS. A lane loads its share of the row's x, dout and dinp once, into registers, and keeps its channels'
-// dw and db sums in registers across every row it visits. With AHEAD = 1 it loads its next row while it
-// works on this one, so that each warp has a row's loads in flight at all times: the kernel is bound by
-// memory, and one row at a time leaves the memory idle while the warp reduces. At the end the warps add
-// their sums into shared memory one after the other, in warp order, and the block writes one row of
-// `partial` (gridDim.x, SUMS * C: dw, db, then with SUMS = 3 the column sums of dinp as updated);
-// add_partial_sums (reduce.cu) then adds the rows in order. No atomics anywhere, so the sums are the same
-// on every run.
+// dw and db sums in registers across every row it visits. It loads all three before it works on any: the
+// kernel is bound by memory, and dinp loaded only when it is written would make a second round trip a row.
+// At the end the warps add their sums into shared memory one after the other, in warp order, and the
+// block writes one row of `partial` (gridDim.x, SUMS * C: dw, db, then with SUMS = 3 the column sums of
+// dinp as updated); add_partial_sums (reduce.cu) then adds the rows in order. No atomics anywhere, so the
+// sums are the same on every run.
 //
 // dinp is the residual stream's gradient, which is also the gradient at the output of the projection
 // (attproj, or the layer below's fcproj) that added into the stream just below this layernorm: its
 // column sums are that projection's bias gradient, summed here from the registers that write dinp rather
 // than by a pass of their own.
-#ifndef AHEAD
-#define AHEAD 1        // rows a warp loads ahead of the one it works on: 0 or 1
-#endif
-
-struct RowIn {   // a lane's share of one row of the backward's inputs
-    Pack x[LANE_PACKS], d[LANE_PACKS], dx[LANE_PACKS];
-    float mean, rstd;
-};
-
-__device__ __forceinline__ void load_row(RowIn& r, const floatX* dinp, const floatX* dout, const floatX* inp,
-                                         const float* mean, const float* rstd, int row, int lane) {
-    const long long offset = (long long)row * C;
-    #pragma unroll
-    for (int k = 0; k < LANE_PACKS; k++)
-        if (owns(lane, k)) {
-            r.x[k] = load_pack(inp + offset + channel(lane, k));
-            r.d[k] = load_pack(dout + offset + channel(lane, k));
-            r.dx[k] = load_pack(dinp + offset + channel(lane, k));
-        }
-    r.mean = mean[row];
-    r.rstd = rstd[row];
-}
-
 extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS)
 layernorm_backward(floatX* dinp, float* partial, const floatX* dout, const floatX* inp, const floatX* w,
                    const float* mean, const float* rstd, int N) {
     __shared__ float block_sums[SUMS * C];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, step = gridDim.x * WARPS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float dw[LANE_PACKS][PACK] = {}, db[LANE_PACKS][PACK] = {}, dr[LANE_PACKS][PACK] = {};
-    RowIn r, ahead;
-    int row = blockIdx.x * WARPS + warp;
-    if (AHEAD && row < N) load_row(ahead, dinp, dout, inp, mean, rstd, row, lane);
-    for (; row < N; row += step) {
-        if (AHEAD) {
-            r = ahead;
-            if (row + step < N) load_row(ahead, dinp, dout, inp, mean, rstd, row + step, lane);
-        } else {
-            load_row(r, dinp, dout, inp, mean, rstd, row, lane);
-        }
-        const float m = r.mean, s = r.rstd;
+    for (int row = blockIdx.x * WARPS + warp; row < N; row += gridDim.x * WARPS) {
+        const long long offset = (long long)row * C;
+        Pack px[LANE_PACKS], pd[LANE_PACKS], pdx[LANE_PACKS];
+        #pragma unroll
+        for (int k = 0; k < LANE_PACKS; k++)
+            if (owns(lane, k)) {
+                px[k] = load_pack(inp + offset + channel(lane, k));
+                pd[k] = load_pack(dout + offset + channel(lane, k));
+                pdx[k] = load_pack(dinp + offset + channel(lane, k));
+            }
+        const float m = mean[row], s = rstd[row];
         float sum_g = 0.0f, sum_gn = 0.0f;
         #pragma unroll
         for (int k = 0; k < LANE_PACKS; k++) {
@@ -137,9 +113,9 @@ layernorm_backward(floatX* dinp, float* partial, const floatX* dout, const float
             const Pack pw = load_pack(w + channel(lane, k));
             #pragma unroll
             for (int i = 0; i < PACK; i++) {
-                const float g = (float)pw.v[i] * (float)r.d[k].v[i];
+                const float g = (float)pw.v[i] * (float)pd[k].v[i];
                 sum_g += g;
-                sum_gn += g * ((float)r.x[k].v[i] - m) * s;
+                sum_gn += g * ((float)px[k].v[i] - m) * s;
             }
         }
         const float mean_g = warp_sum(sum_g) / C, mean_gn = warp_sum(sum_gn) / C;
@@ -148,16 +124,15 @@ layernorm_backward(floatX* dinp, float* partial, const floatX* dout, const float
             if (!owns(lane, k)) continue;
             const int c = channel(lane, k);
             const Pack pw = load_pack(w + c);
-            Pack dx = r.dx[k];
             #pragma unroll
             for (int i = 0; i < PACK; i++) {
-                const float n = ((float)r.x[k].v[i] - m) * s, d = (float)r.d[k].v[i];
-                dx.v[i] = floatX((float)dx.v[i] + s * ((float)pw.v[i] * d - mean_g - n * mean_gn));
+                const float n = ((float)px[k].v[i] - m) * s, d = (float)pd[k].v[i];
+                pdx[k].v[i] = floatX((float)pdx[k].v[i] + s * ((float)pw.v[i] * d - mean_g - n * mean_gn));
                 dw[k][i] += d * n;
                 db[k][i] += d;
-                if (SUMS == 3) dr[k][i] += (float)dx.v[i];
+                if (SUMS == 3) dr[k][i] += (float)pdx[k].v[i];
             }
-            store_pack(dinp + (long long)row * C + c, dx);
+            store_pack(dinp + offset + c, pdx[k]);
         }
     }
     for (int j = threadIdx.x; j < SUMS * C; j += blockDim.x) block_sums[j] = 0.0f;
