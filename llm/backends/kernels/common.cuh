@@ -58,7 +58,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // exp(x - m) = 2^(x log2(e) - m log2(e)): one fused multiply-add and one ex2 per value, with m log2(e)
-// computed once per row.
+// computed once for many values.
 constexpr float LOG2E = 1.4426950408889634f;
 
 // Fold the first n values of a pack (those before the row's end) into a running (m, s). The sum is
