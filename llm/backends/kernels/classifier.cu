@@ -16,19 +16,19 @@
 // Two blocks per SM, 2048 threads, which leaves each at most 32 registers: every thread the SM can hold keeps
 // loads in flight (at 38 registers, one block a SM).
 #ifndef THREADS
-#define THREADS 1024   // threads per block, as the launcher launches them
+#define THREADS 1024   // threads per block: the launcher launches the same number
 #endif
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 fused_classifier(floatX* logits, float* losses, const int* targets, float dloss, int write_dlogits, int V,
                  int Vp) {
     __shared__ float warp_m[32], warp_s[32];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     floatX* x = logits + (long long)blockIdx.x * Vp;
     const int target = targets[blockIdx.x];
     const float target_logit = (float)x[target];  // read before any thread overwrites the row
     float m = LOWEST, s = 0.0f;
     #pragma unroll 4   // several loads in flight per thread
-    for (int c = threadIdx.x * PACK; c < V; c += blockDim.x * PACK) {
+    for (int c = threadIdx.x * PACK; c < V; c += THREADS * PACK) {
         const Pack p = load_pack(x + c);
         if (c + PACK <= V) softmax_fold_pack(&m, &s, p, PACK);
         else softmax_fold_pack(&m, &s, p, V - c);
@@ -40,8 +40,8 @@ fused_classifier(floatX* logits, float* losses, const int* targets, float dloss,
     }
     __syncthreads();
     // every warp combines the warps' (m, s) alike, and takes its lane 0's: one (m, s) for the whole block
-    m = lane < warps ? warp_m[lane] : LOWEST;
-    s = lane < warps ? warp_s[lane] : 0.0f;
+    m = lane < THREADS / 32 ? warp_m[lane] : LOWEST;
+    s = lane < THREADS / 32 ? warp_s[lane] : 0.0f;
     warp_softmax_combine(&m, &s);
     m = __shfl_sync(0xffffffffu, m, 0);
     s = __shfl_sync(0xffffffffu, s, 0);
@@ -50,7 +50,7 @@ fused_classifier(floatX* logits, float* losses, const int* targets, float dloss,
     // prob = exp(x - m) / s = 2^(x log2(e) - shift)
     const float shift = m * LOG2E + log2f(s);
     #pragma unroll 4
-    for (int c = threadIdx.x * PACK; c < Vp; c += blockDim.x * PACK) {
+    for (int c = threadIdx.x * PACK; c < Vp; c += THREADS * PACK) {
         Pack p = load_pack(x + c);
         if (c + PACK <= V) {
             #pragma unroll
@@ -65,6 +65,6 @@ fused_classifier(floatX* logits, float* losses, const int* targets, float dloss,
     }
     // the target's column, (prob - 1) * dloss, by the thread that wrote its pack, after it: the same
     // thread's two stores to one address land in program order
-    if (threadIdx.x == target / PACK % blockDim.x)
+    if (threadIdx.x == target / PACK % THREADS)
         x[target] = floatX((fast_exp2(fmaf(target_logit, LOG2E, -shift)) - 1.0f) * dloss);
 }

@@ -82,11 +82,13 @@ __device__ __forceinline__ void tma_load(bf16* tile, const TensorMap* map, int c
 
 // setmaxnreg: the producer warpgroup gives registers up, keeping PRODUCER each, and the consumers take them.
 // The pool is what the block got at launch, 65,536 / THREADS each rounded down to 8 (168 with two consumer
-// warpgroups): a consumer's share beyond it would wait forever. PRODUCER is the least that does not spill:
+// warpgroups): a consumer's share beyond it would wait forever. Each kernel names its PRODUCER once:
 // 24 in the forward, whose producer is one thread issuing copies (its consumers get 240 instead of 232:
-// 0.364 against 0.382 ms a layer on an H100, 0.372 against 0.389 on an H200); 40 in the backward kernels
-// (24 spilled in the dK, dV kernel, whose producer warp also loads lse and D).
+// 0.372 against 0.389 and 0.384 ms a layer on an H200, near the noise on an H100); 40 in the backward's, where
+// 24 spilled in the dK, dV kernel (its producer warp also loads lse and D) and gained nothing for dQ (1.060
+// against 1.057 ms, H200).
 constexpr int LAUNCH_REGISTERS = 65536 / THREADS / 8 * 8;
+constexpr int FORWARD_PRODUCER = 24, BACKWARD_PRODUCER = 40;
 template <int PRODUCER>
 __device__ __forceinline__ void registers_down() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER));
@@ -265,7 +267,7 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
     __syncthreads();
 
     if (warpgroup() == 0) {   // the producer
-        registers_down<24>();
+        registers_down<FORWARD_PRODUCER>();
         if (threadIdx.x == 0)
             for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
                 const Item w = work_item(it, heads, NH, row_tiles, true);
@@ -288,7 +290,7 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
             }
         return;
     }
-    registers_up<24>();
+    registers_up<FORWARD_PRODUCER>();
     const int c = warpgroup() - 1, warp = warp_in_group();
     const float scale_log2 = scale * LOG2E;
     for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
@@ -375,7 +377,7 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorM
     __syncthreads();
 
     if (warpgroup() == 0) {   // the producer: warp 0
-        registers_down<40>();
+        registers_down<BACKWARD_PRODUCER>();
         if (threadIdx.x >= 32) return;
         const int lane = threadIdx.x;
         for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
@@ -409,7 +411,7 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorM
         }
         return;
     }
-    registers_up<40>();
+    registers_up<BACKWARD_PRODUCER>();
     const int c = warpgroup() - 1, warp = warp_in_group();
     for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
         const Item w = work_item(it, heads, NH, row_tiles, false);
@@ -472,7 +474,7 @@ flash_backward_dq(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorMa
     __syncthreads();
 
     if (warpgroup() == 0) {   // the producer
-        registers_down<40>();
+        registers_down<BACKWARD_PRODUCER>();
         if (threadIdx.x == 0)
             for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
                 const Item w = work_item(it, heads, NH, row_tiles, true);
@@ -493,7 +495,7 @@ flash_backward_dq(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorMa
             }
         return;
     }
-    registers_up<40>();
+    registers_up<BACKWARD_PRODUCER>();
     const int c = warpgroup() - 1, warp = warp_in_group();
     const float scale_log2 = scale * LOG2E;
     for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
