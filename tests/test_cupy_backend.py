@@ -346,21 +346,31 @@ def test_fused_classifier_zeroes_the_padded_dlogits(gpu):
     assert np.abs(dlogits[..., :V].sum(-1)).max() < 1e-3  # softmax - onehot sums to 0 in each row
 
 
+# (where m, v and the master start, where the parameter and its gradient start), in elements: a segment
+# starts anywhere, and a ZeRO shard's parameters at another offset than its m and v
+ADAMW_OFFSETS = [(0, 0), (3, 3), (1, 2)]
+
+
 @pytest.mark.parametrize("use_master", [True, False])
-def test_adamw_updates_param_m_v_and_master(gpu, use_master):
+@pytest.mark.parametrize("offsets", ADAMW_OFFSETS)
+def test_adamw_updates_param_m_v_and_master(gpu, use_master, offsets):
     if use_master and gpu.precision == "fp32":
         pytest.skip("fp32 params need no master copy")
     rng = np.random.default_rng(8)
     n = 10_001  # odd: a segment need not be a multiple of anything
+    state_at, param_at = offsets
+
+    def placed(a, at, dtype=None):   # a device copy of a that starts `at` elements into its buffer
+        return gpu.asarray(np.concatenate([np.zeros(at, a.dtype), a]), dtype)[at:]
     param, grad = rounded(gpu, randn(rng, n)), rounded(gpu, randn(rng, n, scale=0.1))
     m, v = randn(rng, n, scale=0.01), np.abs(randn(rng, n, scale=1e-4))
     hyper = (1e-2, 0.9, 0.95, 1e-8, 0.1, 3)  # lr, beta1, beta2, eps, weight_decay, t
     scale = np.array(0.5, np.float32)          # grad_scale, a 0-d array where the backend computes
     ref = [param.copy(), m.copy(), v.copy()]
     REF.adamw(ref[0], grad, ref[1], ref[2], None, *hyper, scale)
-    g_param, g_grad = gpu.asarray(param, gpu.dtype), gpu.asarray(grad, gpu.dtype)
-    g_m, g_v = gpu.asarray(m), gpu.asarray(v)
-    g_master = gpu.asarray(param) if use_master else None
+    g_param, g_grad = placed(param, param_at, gpu.dtype), placed(grad, param_at, gpu.dtype)
+    g_m, g_v = placed(m, state_at), placed(v, state_at)
+    g_master = placed(param, state_at) if use_master else None
     gpu.adamw(g_param, g_grad, g_m, g_v, g_master, *hyper, gpu.asarray(scale))
     errors = {"param": rel_err(gpu.to_numpy(g_param), ref[0]),
               "m": rel_err(gpu.to_numpy(g_m), ref[1]), "v": rel_err(gpu.to_numpy(g_v), ref[2])}
@@ -368,7 +378,7 @@ def test_adamw_updates_param_m_v_and_master(gpu, use_master):
         errors["master"] = rel_err(gpu.to_numpy(g_master), ref[0])
         # the bf16 param is the master rounded to nearest
         assert np.array_equal(gpu.to_numpy(g_param), rounded(gpu, gpu.to_numpy(g_master)))
-    print(f"adamw                {gpu.precision} master={use_master}: "
+    print(f"adamw                {gpu.precision} master={use_master} offsets {offsets}: "
           + ", ".join(f"{k} {e:.2e}" for k, e in errors.items()))
     assert errors.pop("param") < TOL[gpu.precision]
     assert max(errors.values()) < 1e-5  # m, v and master are fp32 in both precisions

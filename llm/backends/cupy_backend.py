@@ -335,9 +335,16 @@ class CupyBackend:
         if grad_scale.dtype != FP32 or grad_scale.shape != ():
             raise ValueError(f"adamw's grad_scale is a 0-d float32 device array, got {grad_scale.dtype} "
                              f"{grad_scale.shape}")
-        self._kernel("adamw", "adamw")((blocks(n),), (BLOCK,),
-                                       (param, grad, m, v, master, n, f32(lr), f32(beta1), f32(beta2),
-                                        f32(c1), f32(c2), f32(eps), f32(weight_decay), grad_scale))
+        # adamw.cu's groups of four: m lies lead elements past a 16-byte boundary, the fp32 arrays alike,
+        # and quads when the parameter and its gradient are aligned as they are
+        lead = m.data.ptr // 4 % 4
+        if len({x.data.ptr % 16 for x in (m, v, master) if x is not None}) != 1:
+            raise ValueError("adamw's m, v and master must start at the same offset from 16-byte boundaries")
+        quads = all((x.data.ptr - lead * x.itemsize) % (4 * x.itemsize) == 0 for x in (param, grad))
+        self._kernel("adamw", "adamw")((blocks(-(-(n + lead) // 4)),), (BLOCK,),
+                                       (param, grad, m, v, master, n, np.int32(lead), np.int32(quads), f32(lr),
+                                        f32(beta1), f32(beta2), f32(c1), f32(c2), f32(eps), f32(weight_decay),
+                                        grad_scale))
 
     def sumsq(self, x):
         """sum(x^2) in fp32 as a 0-d device array: fixed-size partial sums, then one block adds them."""
