@@ -1,6 +1,6 @@
 """Timing, run as modules from the repository's root: python -m bench.step (one training step and where
-its time goes), python -m bench.gpu_ops (each GPU op alone), python -m bench.torch_gpt2 (PyTorch's step,
-to compare)."""
+its time goes), python -m bench.gpu_ops (each GPU op alone), python -m bench.gemms (each GEMM of the step
+with every cuBLASLt candidate), python -m bench.torch_gpt2 (PyTorch's step, to compare)."""
 # before any module here imports numpy: a missing package is one line (llm/__init__.py)
 import llm   # noqa: F401
 from importlib.util import find_spec

@@ -2,7 +2,7 @@
 # One pass on a GPU machine: versions, the backend's op checks, test_gpt2 in fp32 and bf16, and the d12
 # throughput benchmark beside torch.compile's. Logs go to $OUT (or ./gpu_logs).
 # Usage: bash bench/gpu_check.sh [stage ...]
-# stages: env attn ops test opsbench table kernels ab bench small torch d48 d48max zero train mpi ckpt hf
+# stages: env attn ops test opsbench gemms table kernels ab bench small torch d48 d48max zero train mpi ckpt hf
 # (default: env ops test table). ab compares this tree with the one in $BASELINE (say, `git archive
 # COMMIT | tar -x -C DIR`), d12 B=64 steps in a row, alternating, with each one's per-op table.
 set -u
@@ -66,6 +66,8 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
       tail -1 "$OUT/d48max_torch_b$B.log" | sed "s/^/torch.compile B=$B: /"
       grep -q "in a row" "$OUT/d48max_torch_b$B.log" || break
     done ;;
+  gemms)   # each GEMM of the d12 B=64 step with every cuBLASLt candidate, and what the epilogues cost
+    timeout 300 python3 -m bench.gemms 2>&1 | tee "$OUT/gemms.log" | tail -25 ;;
   table)   # the headline, one call: ours (flash, cuDNN) beside torch.compile as nanoGPT writes it, d12 B=64
     for opts in "" "--attention cudnn"; do
       timeout 200 python3 -m bench.step --backend cupy --model d12 -b 64 -t 1024 --steps 8 $opts \

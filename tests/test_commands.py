@@ -27,6 +27,7 @@ BAD_INPUT = {
     "data.gpt2": (["-m", "data.gpt2", "--input", "missing"], "missing: no such file"),
     "bench.step": (["-m", "bench.step", "--model", "d7"], "unsupported GPT-2 depth 7"),
     "bench.gpu_ops": (["-m", "bench.gpu_ops", "--reps", "many"], "--reps: needs a whole number, got 'many'"),
+    "bench.gemms": (["-m", "bench.gemms", "-t", "2048"], "-t 2048 is longer than d12's 1024 positions"),
     "bench.torch_gpt2": (["-m", "bench.torch_gpt2", "--steps", "many"], ""),   # without torch: one line too
     "bench.kernels": (["-m", "bench.kernels", "--steps", "0"], ""),            # so is this one
 }
