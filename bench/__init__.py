@@ -5,6 +5,15 @@ with every cuBLASLt candidate), python -m bench.torch_gpt2 (PyTorch's step, to c
 import llm   # noqa: F401
 from importlib.util import find_spec
 
+from llm.launch import positive_int
+
+
+def model_arguments(parser):
+    """--model, -b and -t, with the GPU benchmarks' defaults: GPT-2 124M, B=64, T=1024."""
+    parser.add_argument("--model", default="d12")
+    parser.add_argument("-b", type=positive_int, default=64)
+    parser.add_argument("-t", type=positive_int, default=1024)
+
 
 def check_length(parser, model, config, T):
     """-t must fit the model's positions (wpe's rows): a longer one is the parser's one-line error."""

@@ -13,7 +13,7 @@ GELU with bias keeping its input), to show what an epilogue costs; and the sums 
 """
 import contextlib
 
-from bench import check_length
+from bench import check_length, model_arguments
 from llm.backends import BackendError, gpu_missing
 from llm.config import GPT2Config
 from llm.launch import Parser, positive_int, run
@@ -56,9 +56,7 @@ def recording(lt):
 
 def main(argv):
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="d12")
-    parser.add_argument("-b", type=positive_int, default=64)
-    parser.add_argument("-t", type=positive_int, default=1024)
+    model_arguments(parser)
     parser.add_argument("--reps", type=positive_int, default=15)
     args = parser.parse_args(argv)
     config = GPT2Config.from_descriptor(args.model)

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from bench import check_length, needs
+from bench import check_length, model_arguments, needs
 from bench.step import ADVICE
 from llm import memory
 from llm.backends import BackendError, get_backend, gpu_missing
@@ -136,9 +136,7 @@ def theirs(args):
 
 def main(argv):
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="d12")
-    parser.add_argument("-b", type=positive_int, default=64)
-    parser.add_argument("-t", type=positive_int, default=1024)
+    model_arguments(parser)
     parser.add_argument("--steps", type=positive_int, default=3, help="profiled steps, after warm-up ones")
     parser.add_argument("--attention", default="auto", choices=["auto", "cudnn"])
     parser.add_argument("--torch", action="store_true", help="profile torch.compile's step instead")

@@ -14,7 +14,7 @@ and the peak memory (torch's allocator, and nvidia-smi sampled while it runs).
 """
 import time
 
-from bench import check_length, needs
+from bench import check_length, model_arguments, needs
 from bench.gpu_memory import GpuMemoryPeak
 from llm.config import GPT2Config
 from llm.launch import Parser, UserError, positive_int, run
@@ -68,9 +68,7 @@ class GPT(nn.Module):
 
 def main(argv):
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="d12")
-    parser.add_argument("-b", type=positive_int, default=64)
-    parser.add_argument("-t", type=positive_int, default=1024)
+    model_arguments(parser)
     parser.add_argument("--steps", type=positive_int, default=20)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--sdpa", choices=["default", "flash", "cudnn"], default="default")
