@@ -1,13 +1,15 @@
 """bench/table.py reads bench/step.py's and bench/torch_gpt2.py's logs into the side-by-side table: the
 figure it takes is the time of the steps in a row, and a log without one is one line, not a wrong row.
 The benchmarks' counts and lengths are checked before anything runs. bench/kernels.py's report adds up
-the GPU's idle gaps and sets the host's calls beside the longest."""
+the GPU's idle gaps and sets the host's calls beside the longest. bench/gemms.py names the plan of each GEMM
+an op issues (on a stand-in for BlasLt)."""
 import os
 import subprocess
 import sys
 
 import pytest
 
+from bench.gemms import recording
 from conftest import REPO, env
 
 
@@ -53,6 +55,7 @@ def test_a_log_without_steps_in_a_row_is_one_line(tmp_path):
     # once min() of nothing
     (["bench.checksum", "--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
     (["bench.kernels", "--steps", "x"], ""),   # torch first: without it, its one line
+    (["bench.gemms", "--reps", "0"], "argument --reps: must be at least 1, got 0"),
 ])
 def test_a_count_or_length_a_benchmark_cannot_use_is_one_line(args, message):
     proc = python(["-m", *args], cwd=REPO)
@@ -113,3 +116,30 @@ def test_the_kernel_report_sums_idle_gaps_by_the_kernels_around_them_and_shows_t
     kernels.report(types.SimpleNamespace(events=lambda: tight), 1, "tight", 3)
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("idle between them 0.00 ms a step") and out[-1] == heading
+
+
+class StandInLt:
+    """BlasLt's protocol as recording() sees it: matmul(...) plans once per key, in self.plans."""
+
+    def __init__(self):
+        self.plans = {}
+
+    def matmul(self, transa, transb, m, n, k, A, lda, B, ldb, D, ldc, beta=0.0, epilogue="none", **pointers):
+        key = (transa, transb, m, n, k, lda, ldb, ldc, epilogue)
+        self.plans.setdefault(key, [f"plan {len(self.plans)}"])
+
+
+def test_recording_names_each_calls_plan_and_keeps_the_plans_made_before():
+    lt = StandInLt()
+    lt.matmul("T", "N", 8, 4, 2, None, 2, None, 2, None, 8)
+    first = lt.plans[("T", "N", 8, 4, 2, 2, 2, 8, "none")]
+    with recording(lt) as calls:
+        lt.matmul("T", "N", 8, 4, 2, None, 2, None, 2, None, 8)                   # planned before
+        lt.matmul("N", "N", 2, 4, 8, None, 2, None, 8, None, 2, epilogue="bias")  # new
+        lt.matmul("N", "N", 2, 4, 8, None, 2, None, 8, None, 2, epilogue="bias")  # again
+    assert [key for _, _, key in calls] == [("T", "N", 8, 4, 2, 2, 2, 8, "none"),
+                                            ("N", "N", 2, 4, 8, 2, 8, 2, "bias"),
+                                            ("N", "N", 2, 4, 8, 2, 8, 2, "bias")]
+    assert calls[1][1] == {"epilogue": "bias"}
+    assert len(lt.plans) == 2 and lt.plans[("T", "N", 8, 4, 2, 2, 2, 8, "none")] is first
+    assert "matmul" not in vars(lt)   # the class's own method again
