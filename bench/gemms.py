@@ -8,8 +8,9 @@ The backend's own matmul ops run once for each layer kind (qkv, attproj, fc, fcp
 GEMMs they issue are written down; each one is then timed as the backend runs it (its kept candidate), and
 again with every candidate of its plan (bench.gpu_ops.time_op: the median of --reps runs). A row gives the
 GEMM's calls a step, the kept and the best candidate's ms, TFLOP/s at the kept one, and every candidate's
-ms in the heuristic's order. Then fc's and qkv's forward GEMMs with each epilogue BlasLt has (none, bias,
-GELU with bias keeping its input), to show what an epilogue costs; and the sums over the step.
+ms in the heuristic's order. Then each biased layer's forward GEMM with each epilogue BlasLt has (none,
+bias, and fc's GELU with bias keeping its input), to show what an epilogue costs; and the sums over the
+step.
 """
 import contextlib
 
@@ -104,10 +105,11 @@ def main(argv):
             name = f"{label} {KIND[call[0][:2]]}"
             print(f"{name:<22}{count:>6}{kept:9.3f}{best:9.3f}{2 * N * cin * cout / kept / 1e9:9.0f}  "
                   + " ".join(f"{ms:.3f}" for ms in every), flush=True)
-        if label in ("qkv", "fc"):   # the forward GEMM with each epilogue
-            aux = act(N, cout)
-            for epilogue, extra in (("none", {}), ("bias", {"bias": bias}),
-                                    ("gelu_aux_bias", {"bias": bias, "aux": aux, "aux_ld": cout})):
+        if bias is not None:   # the forward GEMM with each epilogue
+            epilogues = [("none", {}), ("bias", {"bias": bias})]
+            if label == "fc":
+                epilogues.append(("gelu_aux_bias", {"bias": bias, "aux": act(N, cout), "aux_ld": cout}))
+            for epilogue, extra in epilogues:
                 with recording(be.lt) as calls:
                     be.lt.matmul("T", "N", cout, N, cin, w, cin, x, cin, y, cout, epilogue=epilogue, **extra)
                 print(f"  {label} forward, epilogue {epilogue}: {timed(calls[0]):.3f} ms")
