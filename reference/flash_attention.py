@@ -17,10 +17,10 @@ the largest tensor of the layer. FlashAttention never forms it:
 
 One function per kernel of llm/backends/kernels/flash_attention.cu, with its name and its loops:
     flash_forward        one query tile after another; inside, the key tiles up to the diagonal
-    flash_backward_dot   D = rowsum(dO * out), the pre-pass
-    flash_backward_dkv   one key tile after another; inside, the query tiles that see it: dK, dV
     flash_backward_dq    one query tile after another; inside, the key tiles up to the diagonal: dQ
-and flash_backward, the three backward passes in the order the backend launches them. Each gradient is
+    flash_backward_dkv   one key tile after another; inside, the query tiles that see it: dK, dV
+and flash_backward_dot, D = rowsum(dO * out), which the dQ kernel takes for its rows before its loop and
+writes for the dK, dV kernel; flash_backward runs them in the order the backend launches them. Each gradient is
 summed by one loop in one order, and no two tiles add into the same rows: the kernels need no atomics.
 
 Layout as in attention.py: qkv (B, T, 3C) holds q, k, v back to back at each position; NH heads of
@@ -85,7 +85,7 @@ def flash_forward(qkv, NH, BQ=64, BK=64):
 
 
 def flash_backward_dot(dout, out, NH):
-    """dout (B, T, C), out (B, T, C) -> D (B, NH, T) = rowsum(dO * O) per head: the pre-pass.
+    """dout (B, T, C), out (B, T, C) -> D (B, NH, T) = rowsum(dO * O) per head (the dQ kernel's, row by row).
 
     The softmax backward subtracts from each row of dP its P-weighted mean, D_i = sum_j P_ij dP_ij. That sum
     runs over the whole row, which one tile does not hold. But it does not need P at all, because O = P V:
@@ -163,8 +163,8 @@ def flash_backward(dout, qkv, out, lse, NH, BQ=64, BK=64):
     """dout (B, T, C) -> dqkv (B, T, 3C), from the forward's out (B, T, C) and lse (B, NH, T).
 
     The gradients of attention_backward, with P recomputed per tile instead of read from a saved att, in
-    the backend's order: the D pre-pass, the dK/dV pass, the dQ pass."""
+    the backend's order: D and the dQ pass, then the dK/dV pass."""
     D = flash_backward_dot(dout, out, NH)                              # (B, NH, T)
-    dk, dv = flash_backward_dkv(dout, qkv, lse, D, NH, BQ, BK)
     dq = flash_backward_dq(dout, qkv, lse, D, NH, BQ, BK)
+    dk, dv = flash_backward_dkv(dout, qkv, lse, D, NH, BQ, BK)
     return np.concatenate([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)

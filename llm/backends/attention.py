@@ -139,32 +139,32 @@ class FlashAttention:
         self._kernel("flash_forward", hs)((blocks(T, self.BQ), B * NH), (32 * self.WARPS,),
                                           (out, lse, qkv, np.int32(T), np.int32(NH), np.float32(hs ** -0.5)))
 
-    def _rowsum(self, dqkv, dout, qkv, out, NH):
-        """The backward's pre-pass, D = rowsum(dout * out) (B, NH, T) fp32, and the buffer of dqkv's column
-        sums; -> (B, T, hs, D, bias_sums)."""
+    def _backward_scratch(self, dqkv, dout, qkv, out, NH):
+        """The backward's D = rowsum(dout * out) (B, NH, T) fp32, which the dQ kernel writes and the dK, dV
+        kernel reads, and the buffer of dqkv's column sums; -> (B, T, hs, D, bias_sums)."""
         B, T, _ = qkv.shape
         hs = self._head_size(qkv, NH)
         check_packs((dqkv, dout, qkv, out), hs=hs)
         shapes = self.scratch_shapes(B, T, NH, hs)
         D, bias_sums = (self.scratch.get(name, *shapes[name]) for name in ("flash_D", "flash_bias_sums"))
-        self._kernel("flash_backward_dot", hs)((blocks(B * T * NH * hs // 8),), (BLOCK,),
-                                               (D, dout, out, np.int32(B), np.int32(T), np.int32(NH)))
         return B, T, hs, D, bias_sums
 
     def backward(self, dqkv, dout, qkv, out, lse, NH):
-        # D = rowsum(dout * out), then dK and dV per key tile, dQ per query tile (deterministic sums); each
-        # warp also writes the column sums of its 16 rows of dqkv, which it returns
-        B, T, hs, D, bias_sums = self._rowsum(dqkv, dout, qkv, out, NH)
-        args = (dqkv, bias_sums, dout, qkv, lse, D, np.int32(T), np.int32(NH), np.float32(hs ** -0.5))
+        # dQ per query tile, which also writes D = rowsum(dout * out), then dK and dV per key tile
+        # (deterministic sums); each warp also writes the column sums of its 16 rows of dqkv, which it returns
+        B, T, hs, D, bias_sums = self._backward_scratch(dqkv, dout, qkv, out, NH)
+        rest = (lse, D, np.int32(T), np.int32(NH), np.float32(hs ** -0.5))
         threads = (32 * self.WARPS,)
-        self._kernel("flash_backward_dkv", hs)((blocks(T, self.BK), B * NH), threads, args)
-        self._kernel("flash_backward_dq", hs)((blocks(T, self.BQ), B * NH), threads, args)
+        self._kernel("flash_backward_dq", hs)((blocks(T, self.BQ), B * NH), threads,
+                                              (dqkv, bias_sums, dout, out, qkv, *rest))
+        self._kernel("flash_backward_dkv", hs)((blocks(T, self.BK), B * NH), threads,
+                                               (dqkv, bias_sums, dout, qkv, *rest))
         return bias_sums
 
 
 class HopperFlashAttention(FlashAttention):
-    """FlashAttention on sm_90a (kernels/flash_attention_hopper.cu): the same saved lse, D pre-pass and
-    two-pass backward as FlashAttention, with every tile brought in by the copy engine through a tensor map
+    """FlashAttention on sm_90a (kernels/flash_attention_hopper.cu): the same saved lse and two-pass
+    backward (dQ and D, then dK and dV) as FlashAttention, with every tile brought in by the copy engine through a tensor map
     and multiplied by wgmma. A block is one producer warpgroup and CONSUMERS consumer warpgroups, each
     owning 64 rows; STAGES tiles are in flight between them. The kernels are persistent: one block per SM,
     each walking its share of the items (ROWS rows of one head). The kernels export the bytes of shared
@@ -202,11 +202,9 @@ class HopperFlashAttention(FlashAttention):
                      (out, lse, qkv_map, np.int32(T), np.int32(NH), np.int32(B * NH), np.float32(hs ** -0.5)))
 
     def backward(self, dqkv, dout, qkv, out, lse, NH):
-        B, T, hs, D, bias_sums = self._rowsum(dqkv, dout, qkv, out, NH)
-        dout_map = self.maps.rows(dout, hs, self.COPY_ROWS)
-        qkv_map = self.maps.rows(qkv, hs, self.COPY_ROWS)
-        args = (dqkv, bias_sums, dout_map, qkv_map, lse, D, np.int32(T), np.int32(NH), np.int32(B * NH),
-                np.float32(hs ** -0.5))
-        self._launch("flash_backward_dkv", hs, T, B, NH, args)
-        self._launch("flash_backward_dq", hs, T, B, NH, args)
+        B, T, hs, D, bias_sums = self._backward_scratch(dqkv, dout, qkv, out, NH)
+        dout_map, out_map, qkv_map = (self.maps.rows(x, hs, self.COPY_ROWS) for x in (dout, out, qkv))
+        rest = (lse, D, np.int32(T), np.int32(NH), np.int32(B * NH), np.float32(hs ** -0.5))
+        self._launch("flash_backward_dq", hs, T, B, NH, (dqkv, bias_sums, dout_map, out_map, qkv_map, *rest))
+        self._launch("flash_backward_dkv", hs, T, B, NH, (dqkv, bias_sums, dout_map, qkv_map, *rest))
         return bias_sums

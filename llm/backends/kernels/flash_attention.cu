@@ -15,12 +15,14 @@
 //
 // What the backward needs is then only the output and, per row, the log-sum-exp lse = m + log(l) (B, NH, T)
 // in fp32: from q, k and lse it recomputes any tile of probabilities as P = exp(S - lse), and it keeps no
-// (T, T) matrix either. With dO the gradient at the output and D = rowsum(dO * out) (a pre-pass; it equals
+// (T, T) matrix either. With dO the gradient at the output and D = rowsum(dO * out) (it equals
 // sum_j P_ij dP_ij, the term the softmax's Jacobian subtracts, because out = P v):
 //   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = dS K * scale,   dK = dS^T Q * scale.
 // Here it runs as two kernels, so that every sum is made by one thread block in a fixed order (the same
-// result on every run, no atomics): one block per key tile sums dK and dV over the query tiles that see it,
-// and one block per query tile sums dQ over its key tiles. As each warp writes its 16 rows of dQ, dK or dV,
+// result on every run, no atomics): one block per query tile sums dQ over its key tiles, and one block per
+// key tile then sums dK and dV over the query tiles that see it. The dQ kernel runs first because it holds
+// each query row's dO in registers anyway: it loads the row's out as well, takes D there and writes it for
+// the dK, dV kernel, which reads D per query tile. As each warp writes its 16 rows of dQ, dK or dV,
 // it also writes their column sums (store_gradient, flash_tiles.cuh): the qkv layer's bias gradient is the
 // column sum of dqkv, and adding up those partial rows is cheaper than reading dqkv back.
 //
@@ -169,30 +171,6 @@ flash_forward(bf16* out, float* lse, const bf16* qkv, int T, int NH, float scale
 }
 
 // ---- backward ------------------------------------------------------------------------------------------
-// D = rowsum(dO * out) per (b, head, t), fp32 (B, NH, T). A head's row is HS / 8 packs of 8 bf16, one
-// thread per pack, so that a warp reads 512 contiguous bytes of each input; the HS / 8 threads of a row add
-// their parts by shuffles, and the first writes the row's D.
-extern "C" __global__ void flash_backward_dot(float* D, const bf16* dout, const bf16* out,
-                                              int B, int T, int NH) {
-    constexpr int PACKS = HS / 8;
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // pack i of (B, T, NH, HS)
-    const long long row = i / PACKS, rows = (long long)B * T * NH;         // row = (b, t, h)
-    float acc = 0.0f;
-    if (row < rows) {
-        const uint4 pd = reinterpret_cast<const uint4*>(dout)[i], po = reinterpret_cast<const uint4*>(out)[i];
-        const bf16* xd = reinterpret_cast<const bf16*>(&pd);
-        const bf16* xo = reinterpret_cast<const bf16*>(&po);
-        #pragma unroll
-        for (int k = 0; k < 8; k++) acc += (float)xd[k] * (float)xo[k];
-    }
-    #pragma unroll
-    for (int offset = PACKS / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (row < rows && i % PACKS == 0) {
-        const long long bt = row / NH, b = bt / T;
-        D[(b * NH + row % NH) * T + bt % T] = acc;
-    }
-}
-
 // dK and dV of one key tile. Grid (T / BK key tiles, B * NH), 128 threads; warp w owns keys k0 + 16w ...
 // It keeps its rows of K and V in registers and walks the query tiles from the diagonal down, computing the
 // transposed tiles S^T = K Q^T and dP^T = V dO^T so that each warp's rows stay its keys:
@@ -258,14 +236,15 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const bf16* dout, const bf16* q
     store_gradient(dqkv, bias_sums, 2, b, h, C, key0, T, dv, 1.0f);
 }
 
-// dQ of one query tile. Grid (T / BQ query tiles, B * NH), 128 threads; warp w owns queries q0 + 16w ...
-// Its rows of Q and dO stay in registers; it walks the key tiles up to the diagonal:
+// dQ of one query tile, and D. Grid (T / BQ query tiles, B * NH), 128 threads; warp w owns queries
+// q0 + 16w ... Its rows of Q and dO stay in registers; its rows of out pass through them for D, which it
+// writes; it walks the key tiles up to the diagonal:
 //   P = exp(S - lse) (0 above the diagonal),  dS = P * (dP - D),  dQ += dS K.
 extern "C" __global__ void __launch_bounds__(THREADS)
-flash_backward_dq(bf16* dqkv, float* bias_sums, const bf16* dout, const bf16* qkv, const float* lse,
-                  const float* D, int T, int NH, float scale) {
+flash_backward_dq(bf16* dqkv, float* bias_sums, const bf16* dout, const bf16* out, const bf16* qkv,
+                  const float* lse, float* D, int T, int NH, float scale) {
     const float scale_log2 = scale * LOG2E;
-    __shared__ alignas(128) bf16 sK[2][BK * HS], sV[2][BK * HS];
+    __shared__ alignas(128) bf16 sK[2][BK * HS], sV[2][BK * HS], sO[BQ * HS];
     const int C = NH * HS;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ, b = blockIdx.y / NH, h = blockIdx.y % NH;
     const int warp = threadIdx.x / 32;
@@ -276,16 +255,18 @@ flash_backward_dq(bf16* dqkv, float* bias_sums, const bf16* dout, const bf16* qk
     // Q and dO through the second stage's buffers into registers, the first key tile into the first stage
     load_tile<BQ>(sK[1], base, q0, T, 3 * C);
     load_tile<BQ>(sV[1], dout + (long long)b * T * C + h * HS, q0, T, C);
+    load_tile<BQ>(sO, out + (long long)b * T * C + h * HS, q0, T, C);
     load_tile<BK>(sK[0], base + C, 0, T, 3 * C);
     load_tile<BK>(sV[0], base + 2 * C, 0, T, 3 * C);
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
-    unsigned qf[HS / 16][4], dof[HS / 16][4];
+    unsigned qf[HS / 16][4], dof[HS / 16][4], of[HS / 16][4];
     load_rows(qf, sK[1], 16 * warp);
     load_rows(dof, sV[1], 16 * warp);
+    load_rows(of, sO, 16 * warp);
     float L[2], Drow[2];
-    row_statistics(L, Drow, lse + (long long)blockIdx.y * T, D + (long long)blockIdx.y * T, row0, T);
+    row_statistics(L, Drow, lse + (long long)blockIdx.y * T, D + (long long)blockIdx.y * T, row0, T, dof, of);
     __syncthreads();
 
     float dq[HS / 8][4] = {};

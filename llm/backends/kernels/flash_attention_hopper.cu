@@ -344,7 +344,7 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
 }
 
 // ---- backward ------------------------------------------------------------------------------------------
-// D = rowsum(dO * out) comes from flash_attention.cu's flash_backward_dot.
+// The dQ kernel runs first and writes D = rowsum(dO * out), as flash_attention.cu's does.
 //
 // dK and dV of items of ROWS keys, the first keys (which see the most queries) first. Consumer c owns keys
 // row0 + 64c ... and keeps its rows of K and V in registers; the producer streams the query tiles from the
@@ -450,19 +450,21 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorM
     }
 }
 
-// dQ of items of ROWS queries, the last first. Consumer c owns queries row0 + 64c ... and keeps its rows of
-// Q and dO in registers; the producer streams the key tiles up to the diagonal. Per tile, as
-// flash_backward_dq: S = Q K^T, dP = dO V^T, P = exp(S - lse), dS = P * (dP - D), dQ += dS K.
+// dQ of items of ROWS queries, the last first, and their D. Consumer c owns queries row0 + 64c ... and keeps
+// its rows of Q and dO in registers (out passes through them for D); the producer streams the key tiles up
+// to the diagonal. Per tile, as flash_backward_dq: S = Q K^T, dP = dO V^T, P = exp(S - lse),
+// dS = P * (dP - D), dQ += dS K.
 struct DqSmem {
-    bf16 q[ROWS * HS], dout[ROWS * HS], k[STAGES][BACKWARD_TILE * HS], v[STAGES][BACKWARD_TILE * HS];
+    bf16 q[ROWS * HS], dout[ROWS * HS], out[ROWS * HS], k[STAGES][BACKWARD_TILE * HS],
+        v[STAGES][BACKWARD_TILE * HS];
     unsigned long long held_full, held_empty, full[STAGES], empty[STAGES];
 };
 extern "C" __device__ int flash_backward_dq_smem = sizeof(DqSmem) + 1024;
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_backward_dq(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorMap dout_map,
-                  const __grid_constant__ TensorMap qkv_map,
-                  const float* lse, const float* D, int T, int NH, int heads, float scale) {
+                  const __grid_constant__ TensorMap out_map, const __grid_constant__ TensorMap qkv_map,
+                  const float* lse, float* D, int T, int NH, int heads, float scale) {
     DqSmem& sm = align_smem<DqSmem>();
     const int C = NH * HS, row_tiles = (T + ROWS - 1) / ROWS, items = row_tiles * heads;
     if (threadIdx.x == 0) {
@@ -480,10 +482,11 @@ flash_backward_dq(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorMa
                 const Item w = work_item(it, heads, NH, row_tiles, true);
                 const int tiles = min(w.row0 + ROWS - 1, T - 1) / BACKWARD_TILE + 1;
                 if (n > 0) mbar_wait(&sm.held_empty, (n - 1) & 1);
-                mbar_arrive_expect_bytes(&sm.held_full, 2 * ROWS * HS * 2);
+                mbar_arrive_expect_bytes(&sm.held_full, 3 * ROWS * HS * 2);
                 for (int r = 0; r < ROWS; r += COPY_ROWS) {
                     tma_load(sm.q + r * HS, &qkv_map, w.h * HS, w.row0 + r, w.b, &sm.held_full);
                     tma_load(sm.dout + r * HS, &dout_map, w.h * HS, w.row0 + r, w.b, &sm.held_full);
+                    tma_load(sm.out + r * HS, &out_map, w.h * HS, w.row0 + r, w.b, &sm.held_full);
                 }
                 for (int j = 0; j < tiles; j++, g++) {
                     const int s = g % STAGES;
@@ -502,13 +505,14 @@ flash_backward_dq(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorMa
         const Item w = work_item(it, heads, NH, row_tiles, true);
         const int tiles = min(w.row0 + ROWS - 1, T - 1) / BACKWARD_TILE + 1;
         const int first_row = w.row0 + 64 * c, row0 = first_row + 16 * warp;
-        float L[2], Drow[2];
-        row_statistics(L, Drow, lse + (long long)w.bh * T, D + (long long)w.bh * T, row0, T);
         mbar_wait(&sm.held_full, n & 1);
-        unsigned qf[HS / 16][4], dof[HS / 16][4];
+        unsigned qf[HS / 16][4], dof[HS / 16][4], of[HS / 16][4];
         load_rows(qf, sm.q, 64 * c + 16 * warp);
         load_rows(dof, sm.dout, 64 * c + 16 * warp);
+        load_rows(of, sm.out, 64 * c + 16 * warp);
         warp_arrive(&sm.held_empty);
+        float L[2], Drow[2];
+        row_statistics(L, Drow, lse + (long long)w.bh * T, D + (long long)w.bh * T, row0, T, dof, of);
 
         float dq[HS / 8][4] = {};
         for (int j = 0; j < tiles; j++, g++) {

@@ -182,16 +182,30 @@ __device__ __forceinline__ void finish_softmax(float* lse_row, int row0, int T, 
     }
 }
 
-// Backward, dQ's rows: the lse (in log2 units) and D of this thread's rows g and g+8 of row0.., from the
-// head's rows lse_row and D_row; rows past T read as lse = +inf (P = 0) and D = 0.
-__device__ __forceinline__ void row_statistics(float L[2], float Drow[2], const float* lse_row,
-                                               const float* D_row, int row0, int T) {
-    const int g = threadIdx.x % 32 / 4;
+// Backward, dQ's rows: the lse (in log2 units) and D = rowsum(dO * O) of this thread's rows g and g+8 of
+// row0.., D from the warp's fragments of dO and O (load_rows': registers 0 and 2 hold row g, 1 and 3 row
+// g + 8), the four lanes of a row adding up their columns by shuffles. Each row's first lane writes its D
+// to the head's D_row, for the dK, dV kernel that runs next. Rows past T read as lse = +inf (P = 0); their
+// dO and O are zeros, so D = 0.
+__device__ __forceinline__ void row_statistics(float L[2], float Drow[2], const float* lse_row, float* D_row,
+                                               int row0, int T, const unsigned dof[][4], const unsigned of[][4]) {
+    const int lane = threadIdx.x % 32, g = lane / 4;
+    Drow[0] = Drow[1] = 0.0f;
+    #pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++)
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&dof[kk][i]));
+            const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&of[kk][i]));
+            Drow[i % 2] += d.x * o.x + d.y * o.y;
+        }
     #pragma unroll
     for (int r = 0; r < 2; r++) {
+        Drow[r] += __shfl_xor_sync(0xffffffffu, Drow[r], 1);
+        Drow[r] += __shfl_xor_sync(0xffffffffu, Drow[r], 2);
         const int row = row0 + g + 8 * r;
         L[r] = row < T ? lse_row[row] * LOG2E : INF;
-        Drow[r] = row < T ? D_row[row] : 0.0f;
+        if (row < T && lane % 4 == 0) D_row[row] = Drow[r];
     }
 }
 
