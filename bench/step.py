@@ -10,8 +10,8 @@ Prints each step's time (until its loss and norm are read, as the trainer times 
 the time of all the timed steps in a row over their number (`6 steps in a row: 1234.5 ms/step`, what
 bench/table.py reads, and how bench/torch_gpt2.py times torch's), with tok/s and MFU (llm.c's FLOPs per
 token against the device's peak, where known), memory on the GPU (the pool, and the peak that nvidia-smi
-saw while the steps ran), then a table of one step's time per backend op (that step runs without CUDA
-graphs, so that each op can be timed on its own).
+saw while the steps ran) and the SM clock and power it saw, then a table of one step's time per backend op
+(that step runs without CUDA graphs, so that each op can be timed on its own).
 """
 import contextlib
 import statistics
@@ -21,7 +21,7 @@ from collections import defaultdict
 import numpy as np
 
 from bench import check_length
-from bench.gpu_memory import GpuMemoryPeak
+from bench.gpu_sampler import GpuSampler
 from llm import memory
 from llm.backends import get_backend
 from llm.comm import SingleComm
@@ -137,7 +137,7 @@ def bench(args, backend, config, B, T):
           f"activations {model.activations(B, T).nbytes / 2**20:,.0f} MiB")
     for t in (1, 2):   # warm-up: compiles every kernel, fills the memory pool, records the graphs
         print(f"warm-up step {t}: loss {step(t)[0].loss:.4f}")
-    with GpuMemoryPeak(backend.xp.cuda.Device().pci_bus_id) if gpu else contextlib.nullcontext() as peak:
+    with GpuSampler(backend.xp.cuda.Device().pci_bus_id) if gpu else contextlib.nullcontext() as smi:
         backend.synchronize()
         start, times = time.perf_counter(), []
         for t in range(3, 3 + args.steps):
@@ -154,7 +154,8 @@ def bench(args, backend, config, B, T):
     if gpu:
         pool = backend.xp.get_default_memory_pool()
         print(f"memory: pool {pool.total_bytes() / 2**20:,.0f} MiB, peak in use by nvidia-smi "
-              f"{peak.peak_mib if peak.peak_mib is not None else 'n/a'} MiB")
+              f"{smi.peak_mib if smi.peak_mib is not None else 'n/a'} MiB")
+        print(smi.clock_line())
     timer.enabled, backend.cuda_graph = True, False
     step(3 + args.steps)
     timer.enabled = False

@@ -1,5 +1,6 @@
 """The side-by-side table of bench/gpu_check.sh: bench/step.py's and bench/torch_gpt2.py's last lines, read
-from their logs, as ms/step, tok/s, the ratio to torch.compile's tok/s and nvidia-smi's peak memory.
+from their logs, as ms/step, tok/s, the ratio to torch.compile's tok/s, nvidia-smi's peak memory and the
+median SM clock and power it saw while the steps ran (bench/gpu_sampler.py).
 
     python -m bench.table LABEL=LOG ... --yardstick LABEL [--limit TOK_S]
 
@@ -12,19 +13,21 @@ from llm.launch import Parser, UserError, run
 
 STEPS = re.compile(r"steps in a row: ([\d.]+) ms/step \| (\d+) tok/s")
 PEAK = re.compile(r"nvidia-smi (\d+) MiB")
+CLOCK = re.compile(r"SM clock median (\d+) MHz \(lowest \d+\), power median (\S+ W|n/a)")
 
 
 def read(path):
-    """(ms, tok/s, peak MiB or None) from a benchmark's log."""
+    """(ms, tok/s, peak MiB or None, "clock, power" or None) from a benchmark's log."""
     try:
         text = open(path).read()
     except OSError as e:
         raise UserError(f"{path}: {e.strerror}") from None
-    steps, peaks = STEPS.findall(text), PEAK.findall(text)
+    steps, peaks, clocks = STEPS.findall(text), PEAK.findall(text), CLOCK.findall(text)
     if not steps:
         raise UserError(f"{path}: no 'N steps in a row: ... ms/step | ... tok/s' line: did the run finish?")
     ms, tok_s = steps[-1]
-    return float(ms), int(tok_s), int(peaks[-1]) if peaks else None
+    clock = f"{int(clocks[-1][0]):,} MHz, {clocks[-1][1]}" if clocks else None
+    return float(ms), int(tok_s), int(peaks[-1]) if peaks else None, clock
 
 
 def main(argv):
@@ -40,13 +43,14 @@ def main(argv):
     if args.yardstick not in rows:
         raise UserError(f"--yardstick {args.yardstick}: not one of the labels ({', '.join(rows)})")
     base = rows[args.yardstick][1]
-    print("| system | ms/step | tok/s | vs torch.compile | peak MiB (nvidia-smi) |"
+    print("| system | ms/step | tok/s | vs torch.compile | peak MiB (nvidia-smi) | SM clock, power (median) |"
           + (" of the GPU's limit |" if args.limit else ""))
-    print("|---|---|---|---|---|" + ("---|" if args.limit else ""))
-    for label, (ms, tok_s, peak) in rows.items():
+    print("|---|---|---|---|---|---|" + ("---|" if args.limit else ""))
+    for label, (ms, tok_s, peak, clock) in rows.items():
         limit = f" {tok_s / args.limit:.0%} |" if args.limit else ""
         peak = f"{peak:,}" if peak is not None else "n/a"
-        print(f"| {label} | {ms:.1f} | {tok_s / 1000:.0f}K | {tok_s / base:.2f}x | {peak} |{limit}")
+        print(f"| {label} | {ms:.1f} | {tok_s / 1000:.0f}K | {tok_s / base:.2f}x | {peak} | {clock or 'n/a'} |"
+              f"{limit}")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ padded logits (the padded columns carry no targets; --loss sliced takes logits[.
 that costs torch 8-10% more). GELU is llm.c's tanh form, fused AdamW with betas (0.9, 0.95), gradient
 clipping at 1.0: llm.c's step. The timed steps run back to back, as nanoGPT's loop runs them, with no wait
 for the GPU between them: the time of all of them over their number is the ms/step printed, beside tok/s
-and the peak memory (torch's allocator, and nvidia-smi sampled while it runs).
+and the peak memory (torch's allocator, and nvidia-smi sampled while it runs), after nvidia-smi's SM clock
+and power.
 """
 import time
 
 from bench import check_length, model_arguments, needs
-from bench.gpu_memory import GpuMemoryPeak
+from bench.gpu_sampler import GpuSampler
 from llm.config import GPT2Config
 from llm.launch import Parser, UserError, positive_int, run
 
@@ -106,7 +107,7 @@ def main(argv):
     try:
         for _ in range(3):   # compiles
             step()
-        with GpuMemoryPeak(torch.cuda.current_device()) as peak:
+        with GpuSampler(torch.cuda.current_device()) as smi:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(args.steps):
@@ -116,10 +117,11 @@ def main(argv):
     except torch.OutOfMemoryError:   # how bench/gpu_check.sh's d48max stage finds the largest batch
         raise UserError(f"{args.model} B={B} T={T}: out of GPU memory") from None
     mode = "eager" if args.no_compile else "torch.compile"
+    print(smi.clock_line())
     print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} loss={args.loss} {args.model} B={B} T={T} "
           f"bf16: loss {loss.item():.4f} | {args.steps} steps in a row: {ms:.1f} ms/step | "
           f"{B * T / ms * 1000:.0f} tok/s | peak memory: "
-          f"nvidia-smi {peak.peak_mib} MiB, torch reserved "
+          f"nvidia-smi {smi.peak_mib} MiB, torch reserved "
           f"{torch.cuda.max_memory_reserved() / 2**20:.0f} MiB")
 
 

@@ -1,5 +1,6 @@
 """bench/table.py reads bench/step.py's and bench/torch_gpt2.py's logs into the side-by-side table: the
-figure it takes is the time of the steps in a row, and a log without one is one line, not a wrong row.
+figure it takes is the time of the steps in a row, and a log without one is one line, not a wrong row;
+nvidia-smi's lines give the peak memory and the median clock and power.
 The benchmarks' counts and lengths are checked before anything runs. bench/kernels.py's report adds up
 the GPU's idle gaps and sets the host's calls beside the longest. bench/gemms.py names the plan of each GEMM
 an op issues (on a stand-in for BlasLt)."""
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from bench.gemms import recording
+from bench.gpu_sampler import summary
 from conftest import REPO, env
 
 
@@ -27,7 +29,8 @@ def test_the_table_takes_the_steps_in_a_row_of_each_log_and_the_ratio_to_the_yar
     tok_s = int(line.split("| ")[1].split(" tok/s")[0])
     assert abs(2 * 32 / ms * 1000 - tok_s) <= 0.01 * tok_s   # ms is printed to 0.1
     (tmp_path / "ours.log").write_text(ours.stdout)
-    (tmp_path / "torch.log").write_text(   # bench/torch_gpt2.py's last line, at half our speed
+    (tmp_path / "torch.log").write_text(   # bench/torch_gpt2.py's last two lines, at half our speed
+        "nvidia-smi while the steps ran: SM clock median 1650 MHz (lowest 1305), power median 690 W\n"
         f"torch 2.11 torch.compile sdpa=default loss=padded d2c64h4 B=2 T=32 bf16: loss 10.8 | "
         f"20 steps in a row: {2 * ms:.1f} ms/step | {tok_s // 2} tok/s | peak memory: nvidia-smi 1234 MiB, "
         f"torch reserved 1000 MiB\n")
@@ -35,8 +38,16 @@ def test_the_table_takes_the_steps_in_a_row_of_each_log_and_the_ratio_to_the_yar
                     "--yardstick", "torch"], cwd=REPO)
     assert table.returncode == 0, table.stderr
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.stdout.splitlines()[2:]}
-    assert f"| {ms:.1f} | " in rows["ours"] and " n/a |" in rows["ours"]         # no nvidia-smi on the CPU
-    assert f"| {tok_s / (tok_s // 2):.2f}x |" in rows["ours"] and "| 1.00x | 1,234 |" in rows["torch"]
+    assert f"| {ms:.1f} | " in rows["ours"] and rows["ours"].endswith(" | n/a | n/a |")   # no nvidia-smi here
+    assert f"| {tok_s / (tok_s // 2):.2f}x |" in rows["ours"]
+    assert rows["torch"].endswith("| 1.00x | 1,234 | 1,650 MHz, 690 W |")
+
+
+def test_the_sampler_takes_the_peak_memory_and_the_median_clock_and_power_of_nvidia_smis_lines():
+    lines = ["23000, 1980, 120.5", "23109, 1650, 690.2", "23109, 1305, 701.5", "", "23050, 1700, [N/A]"]
+    assert summary(lines) == (23109, 1675, 1305, 690)
+    assert summary(["1234, 1980, [N/A]"]) == (1234, 1980, 1980, None)
+    assert summary([]) == (None, None, None, None)
 
 
 def test_a_log_without_steps_in_a_row_is_one_line(tmp_path):
