@@ -114,7 +114,8 @@ def main(argv):
                     be.lt.matmul("T", "N", cout, N, cin, w, cin, x, cin, y, cout, epilogue=epilogue, **extra)
                 print(f"  {label} forward, epilogue {epilogue}: {timed(calls[0]):.3f} ms")
         del x, dx, y, dy, w, dw
-    print(f"the step's GEMMs: {kept_sum:.2f} ms with the kept candidates, {best_sum:.2f} with the best of each")
+    print(f"the step's GEMMs: {kept_sum:.2f} ms with the kept candidates, {best_sum:.2f} with the best of "
+          "each")
 
 
 if __name__ == "__main__":

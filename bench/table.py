@@ -49,8 +49,8 @@ def main(argv):
     for label, (ms, tok_s, peak, clock) in rows.items():
         limit = f" {tok_s / args.limit:.0%} |" if args.limit else ""
         peak = f"{peak:,}" if peak is not None else "n/a"
-        print(f"| {label} | {ms:.1f} | {tok_s / 1000:.0f}K | {tok_s / base:.2f}x | {peak} | {clock or 'n/a'} |"
-              f"{limit}")
+        print(f"| {label} | {ms:.1f} | {tok_s / 1000:.0f}K | {tok_s / base:.2f}x | {peak} | "
+              f"{clock or 'n/a'} |{limit}")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ One function per kernel of llm/backends/kernels/flash_attention.cu, with its nam
     flash_backward_dq    one query tile after another; inside, the key tiles up to the diagonal: dQ
     flash_backward_dkv   one key tile after another; inside, the query tiles that see it: dK, dV
 and flash_backward_dot, D = rowsum(dO * out), which the dQ kernel takes for its rows before its loop and
-writes for the dK, dV kernel; flash_backward runs them in the order the backend launches them. Each gradient is
-summed by one loop in one order, and no two tiles add into the same rows: the kernels need no atomics.
+writes for the dK, dV kernel; flash_backward runs them in the order the backend launches them. Each
+gradient is summed by one loop in one order, and no two tiles add into the same rows: the kernels need no
+atomics.
 
 Layout as in attention.py: qkv (B, T, 3C) holds q, k, v back to back at each position; NH heads of
 hs = C / NH. Every array is in the dtype of qkv (the kernels keep lse and D in fp32). The loops run over

@@ -164,11 +164,11 @@ class FlashAttention:
 
 class HopperFlashAttention(FlashAttention):
     """FlashAttention on sm_90a (kernels/flash_attention_hopper.cu): the same saved lse and two-pass
-    backward (dQ and D, then dK and dV) as FlashAttention, with every tile brought in by the copy engine through a tensor map
-    and multiplied by wgmma. A block is one producer warpgroup and CONSUMERS consumer warpgroups, each
-    owning 64 rows; STAGES tiles are in flight between them. The kernels are persistent: one block per SM,
-    each walking its share of the items (ROWS rows of one head). The kernels export the bytes of shared
-    memory their layouts take, which the launch reads back."""
+    backward (dQ and D, then dK and dV) as FlashAttention, with every tile brought in by the copy engine
+    through a tensor map and multiplied by wgmma. A block is one producer warpgroup and CONSUMERS consumer
+    warpgroups, each owning 64 rows; STAGES tiles are in flight between them. The kernels are persistent:
+    one block per SM, each walking its share of the items (ROWS rows of one head). The kernels export the
+    bytes of shared memory their layouts take, which the launch reads back."""
     name = "flash-hopper"
     CONSUMERS, STAGES, FORWARD_TILE, BACKWARD_TILE = 2, 3, 128, 64   # the fastest measured on an H200
     GROUP_HEADS = 64   # items are ordered by row tile within groups of this many heads (the kernels say why)

@@ -341,10 +341,10 @@ class CupyBackend:
         if len({x.data.ptr % 16 for x in (m, v, master) if x is not None}) != 1:
             raise ValueError("adamw's m, v and master must start at the same offset from 16-byte boundaries")
         quads = all((x.data.ptr - lead * x.itemsize) % (4 * x.itemsize) == 0 for x in (param, grad))
-        self._kernel("adamw", "adamw")((blocks(-(-(n + lead) // 4)),), (BLOCK,),
-                                       (param, grad, m, v, master, n, np.int32(lead), np.int32(quads), f32(lr),
-                                        f32(beta1), f32(beta2), f32(c1), f32(c2), f32(eps), f32(weight_decay),
-                                        grad_scale))
+        self._kernel("adamw", "adamw")(
+            (blocks(-(-(n + lead) // 4)),), (BLOCK,),
+            (param, grad, m, v, master, n, np.int32(lead), np.int32(quads), f32(lr), f32(beta1), f32(beta2),
+             f32(c1), f32(c2), f32(eps), f32(weight_decay), grad_scale))
 
     def sumsq(self, x):
         """sum(x^2) in fp32 as a 0-d device array: fixed-size partial sums, then one block adds them."""
