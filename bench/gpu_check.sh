@@ -92,6 +92,7 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
         (cd "$dir" && timeout 200 python3 -m bench.step --backend cupy --steps 20 2>&1) \
           > "$OUT/ab_${side}_$round.log"
         echo "$side, round $round: $(grep -E 'in a row' "$OUT/ab_${side}_$round.log")"
+        grep -E 'SM clock' "$OUT/ab_${side}_$round.log" | sed 's/^/  /'   # the clock moves at the power cap
       done
     done
     python3 - "$OUT/ab_before_1.log" "$OUT/ab_after_1.log" <<'OPS'   # the per-op tables, op by op
