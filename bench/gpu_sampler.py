@@ -25,7 +25,7 @@ def summary(lines):
 
 class GpuSampler:
     """nvidia-smi's QUERY of one GPU every 50 ms while the block runs; then peak_mib, clock_mhz (median),
-    lowest_clock_mhz and power_w (median), None where nothing was read.
+    lowest_clock_mhz and power_w (median), None where nothing was read (as without nvidia-smi).
 
     device: what nvidia-smi -i takes, an index or a PCI bus id."""
 
@@ -34,12 +34,17 @@ class GpuSampler:
         self.peak_mib = self.clock_mhz = self.lowest_clock_mhz = self.power_w = None
 
     def __enter__(self):
-        self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-                                      "-lms", "50", "-i", self.device],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}",
+                                          "--format=csv,noheader,nounits", "-lms", "50", "-i", self.device],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:   # no nvidia-smi on the PATH: the figures stay None, the benchmark goes on
+            self.proc = None
         return self
 
     def __exit__(self, *_):
+        if self.proc is None:
+            return
         self.proc.terminate()
         out = self.proc.communicate()[0]
         self.peak_mib, self.clock_mhz, self.lowest_clock_mhz, self.power_w = summary(out.splitlines())

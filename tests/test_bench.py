@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from bench.gemms import recording
-from bench.gpu_sampler import summary
+from bench.gpu_sampler import GpuSampler, summary
 from conftest import REPO, env
 
 
@@ -48,6 +48,14 @@ def test_the_sampler_takes_the_peak_memory_and_the_median_clock_and_power_of_nvi
     assert summary(lines) == (23109, 1675, 1305, 690)
     assert summary(["1234, 1980, [N/A]"]) == (1234, 1980, 1980, None)
     assert summary([]) == (None, None, None, None)
+
+
+def test_the_sampler_without_nvidia_smi_reads_nothing_and_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))   # a directory without nvidia-smi
+    with GpuSampler("0") as smi:
+        pass
+    assert (smi.peak_mib, smi.clock_mhz, smi.power_w) == (None, None, None)
+    assert smi.clock_line() == "nvidia-smi while the steps ran: SM clock n/a"
 
 
 def test_a_log_without_steps_in_a_row_is_one_line(tmp_path):
