@@ -121,7 +121,7 @@ def main(argv):
     print(f"torch {torch.__version__} {mode} sdpa={args.sdpa} loss={args.loss} {args.model} B={B} T={T} "
           f"bf16: loss {loss.item():.4f} | {args.steps} steps in a row: {ms:.1f} ms/step | "
           f"{B * T / ms * 1000:.0f} tok/s | peak memory: "
-          f"nvidia-smi {smi.peak_mib} MiB, torch reserved "
+          f"nvidia-smi {smi.peak_mib if smi.peak_mib is not None else 'n/a'} MiB, torch reserved "
           f"{torch.cuda.max_memory_reserved() / 2**20:.0f} MiB")
 
 
