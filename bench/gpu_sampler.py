@@ -2,10 +2,12 @@
 that bench/step.py and bench/torch_gpt2.py compare, and the SM clock and power draw, which tell whether the
 steps ran at the GPU's power cap (an H100 runs a d12 step at its 700 W, its clock well under the boost
 clock): a step then costs energy more than it costs cycles."""
+import re
 import statistics
 import subprocess
 
 QUERY = "memory.used,clocks.sm,power.draw"
+CLOCK = re.compile(r"SM clock median (\d+) MHz \(lowest \d+\), power median (\S+ W|n/a)")   # clock_line's
 
 
 def summary(lines):
@@ -50,7 +52,7 @@ class GpuSampler:
         self.peak_mib, self.clock_mhz, self.lowest_clock_mhz, self.power_w = summary(out.splitlines())
 
     def clock_line(self):
-        """The line the benchmarks print, which bench/table.py reads."""
+        """The line the benchmarks print, which bench/table.py reads with CLOCK."""
         if self.clock_mhz is None:
             return "nvidia-smi while the steps ran: SM clock n/a"
         power = f"{self.power_w} W" if self.power_w is not None else "n/a"

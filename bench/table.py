@@ -9,11 +9,11 @@ then also says what fraction of it the step reaches.
 """
 import re
 
+from bench.gpu_sampler import CLOCK
 from llm.launch import Parser, UserError, run
 
 STEPS = re.compile(r"steps in a row: ([\d.]+) ms/step \| (\d+) tok/s")
 PEAK = re.compile(r"nvidia-smi (\d+) MiB")
-CLOCK = re.compile(r"SM clock median (\d+) MHz \(lowest \d+\), power median (\S+ W|n/a)")
 
 
 def read(path):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from bench.gemms import recording
-from bench.gpu_sampler import GpuSampler, summary
+from bench.gpu_sampler import CLOCK, GpuSampler, summary
 from conftest import REPO, env
 
 
@@ -48,6 +48,9 @@ def test_the_sampler_takes_the_peak_memory_and_the_median_clock_and_power_of_nvi
     assert summary(lines) == (23109, 1675, 1305, 690)
     assert summary(["1234, 1980, [N/A]"]) == (1234, 1980, 1980, None)
     assert summary([]) == (None, None, None, None)
+    smi = GpuSampler("0")
+    smi.peak_mib, smi.clock_mhz, smi.lowest_clock_mhz, smi.power_w = summary(lines)
+    assert CLOCK.search(smi.clock_line()).groups() == ("1675", "690 W")   # what bench.table reads
 
 
 def test_the_sampler_without_nvidia_smi_reads_nothing_and_says_so(monkeypatch, tmp_path):
