@@ -34,6 +34,16 @@ __device__ __forceinline__ float adamw_element(float grad, float* m, float* v, f
 struct alignas(4 * sizeof(floatX)) Quad {
     floatX v[4];
 };
+__device__ __forceinline__ Quad load_quad(const floatX* p, int aligned) {
+    if (aligned) return *(const Quad*)p;
+    Quad x;
+    for (int k = 0; k < 4; k++) x.v[k] = p[k];
+    return x;
+}
+__device__ __forceinline__ void store_quad(floatX* p, const Quad& x, int aligned) {
+    if (aligned) *(Quad*)p = x;
+    else for (int k = 0; k < 4; k++) p[k] = x.v[k];
+}
 
 extern "C" __global__ void adamw(floatX* param, const floatX* grad, float* m, float* v, float* master,
                                  long long n, int lead, int quads, float lr, float beta1, float beta2, float c1,
@@ -50,14 +60,9 @@ extern "C" __global__ void adamw(floatX* param, const floatX* grad, float* m, fl
         }
         return;
     }
-    Quad g4, p4;
-    if (quads) {
-        g4 = *(const Quad*)(grad + first);
-        if (master == nullptr) p4 = *(const Quad*)(param + first);
-    } else {
-        for (int k = 0; k < 4; k++) g4.v[k] = grad[first + k];
-        if (master == nullptr) for (int k = 0; k < 4; k++) p4.v[k] = param[first + k];
-    }
+    const Quad g4 = load_quad(grad + first, quads);
+    Quad p4;
+    if (master == nullptr) p4 = load_quad(param + first, quads);
     float4 m4 = *(float4*)(m + first), v4 = *(float4*)(v + first);
     float4 old = master != nullptr ? *(float4*)(master + first)
                                    : make_float4(p4.v[0], p4.v[1], p4.v[2], p4.v[3]);
@@ -72,6 +77,5 @@ extern "C" __global__ void adamw(floatX* param, const floatX* grad, float* m, fl
     *(float4*)(m + first) = m4;
     *(float4*)(v + first) = v4;
     if (master != nullptr) *(float4*)(master + first) = old;
-    if (quads) *(Quad*)(param + first) = p4;
-    else for (int k = 0; k < 4; k++) param[first + k] = p4.v[k];
+    store_quad(param + first, p4, quads);
 }
