@@ -115,7 +115,7 @@ class FlashAttention:
         self.kernels, self.scratch = kernels, scratch
 
     def saved_shape(self, B, T, NH):
-        return (B, NH, T), FP32   # lse
+        return (B, NH, T), FP32   # lse, in log2 units (kernels/flash_tiles.cuh: finish_softmax)
 
     def scratch_shapes(self, B, T, NH, hs):
         """name -> (shape, dtype) of the backward's scratch, also the estimate's: D, a float a row, and the

@@ -179,8 +179,9 @@ flash_forward(bf16* out, float* lse, const bf16* qkv, int T, int NH, float scale
 extern "C" __global__ void __launch_bounds__(THREADS)
 flash_backward_dkv(bf16* dqkv, float* bias_sums, const bf16* dout, const bf16* qkv, const float* lse,
                    const float* D, int T, int NH, float scale) {
+    const float scale_log2 = scale * LOG2E;
     __shared__ alignas(128) bf16 sQ[2 * BQ * HS], sdO[2 * BQ * HS];
-    __shared__ float sL[2 * BQ], sD[2 * BQ];
+    __shared__ alignas(16) float sL[2 * BQ], sD[2 * BQ];
     const int C = NH * HS;
     const int k0 = blockIdx.x * BK, b = blockIdx.y / NH, h = blockIdx.y % NH;
     const int warp = threadIdx.x / 32;
@@ -224,7 +225,8 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const bf16* dout, const bf16* q
             float p[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
             mul_rows_by_tile_t<BQ>(p, kf, tQ);    // S^T
             mul_rows_by_tile_t<BQ>(dp, vf, tdO);  // dP^T
-            column_gradients<BQ>(p, dp, key0, t0, scale, tL, tD);
+            column_probabilities<BQ>(p, key0, t0, scale_log2, tL);
+            column_score_gradients<BQ>(dp, p, tD);
             mul_tiles_by_tile<BQ>(dv, p, tdO);
             mul_tiles_by_tile<BQ>(dk, dp, tQ);
         }
@@ -266,7 +268,8 @@ flash_backward_dq(bf16* dqkv, float* bias_sums, const bf16* dout, const bf16* ou
     load_rows(dof, sV[1], 16 * warp);
     load_rows(of, sO, 16 * warp);
     float L[2], Drow[2];
-    row_statistics(L, Drow, lse + (long long)blockIdx.y * T, D + (long long)blockIdx.y * T, row0, T, dof, of);
+    row_lse(L, lse + (long long)blockIdx.y * T, row0, T);
+    row_D(Drow, D + (long long)blockIdx.y * T, row0, T, dof, of);
     __syncthreads();
 
     float dq[HS / 8][4] = {};
@@ -281,7 +284,8 @@ flash_backward_dq(bf16* dqkv, float* bias_sums, const bf16* dout, const bf16* ou
             float p[BK / 8][4] = {}, dp[BK / 8][4] = {};
             mul_rows_by_tile_t<BK>(p, qf, sK[cur]);    // S
             mul_rows_by_tile_t<BK>(dp, dof, sV[cur]);  // dP
-            row_gradients<BK>(p, dp, row0, k0, scale_log2, L, Drow);
+            row_probabilities<BK>(p, row0, k0, scale_log2, L);
+            row_score_gradients<BK>(dp, p, Drow);
             mul_tiles_by_tile<BK>(dq, dp, sK[cur]);
         }
         cp_async_wait_all();

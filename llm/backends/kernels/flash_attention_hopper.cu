@@ -125,6 +125,14 @@ template <int PENDING = 0>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(PENDING) : "memory");
 }
+// After a wait, before an accumulator is read: the compiler sees its registers change here, so that it
+// moves no read of them above the wait (it cannot know when an asynchronous wgmma writes them).
+template <int N>
+__device__ __forceinline__ void settle(float acc[][4]) {
+    #pragma unroll
+    for (int n = 0; n < N / 8; n++)
+        asm volatile("" : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3]) :: "memory");
+}
 
 // acc (64 x N, this warp's 16 rows as flash_tiles.cuh lays out a C tile) (+)= A (64 x 16, the warp's
 // fragment a) times B (16 x N) read through descriptor b; TRANS says which way B lies (see descriptor()).
@@ -366,6 +374,7 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorM
                    const __grid_constant__ TensorMap qkv_map,
                    const float* lse, const float* D, int T, int NH, int heads, float scale) {
     DkvSmem& sm = align_smem<DkvSmem>();
+    const float scale_log2 = scale * LOG2E;
     const int C = NH * HS, row_tiles = (T + ROWS - 1) / ROWS, items = row_tiles * heads;
     const int tiles = (T + BACKWARD_TILE - 1) / BACKWARD_TILE;
     if (threadIdx.x == 0) {
@@ -427,18 +436,27 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorM
             const int s = g % STAGES, t0 = i * BACKWARD_TILE;
             mbar_wait(&sm.full[s], (g / STAGES) & 1);
             if (t0 + BACKWARD_TILE - 1 >= first_key) {
+                // four products in three steps: P^T's exponentials run while the tensor cores make dP^T,
+                // and dS^T is made while they add P^T dO into dV
                 float p[BACKWARD_TILE / 8][4], dp[BACKWARD_TILE / 8][4];
+                unsigned pf[BACKWARD_TILE / 16][4], dsf[BACKWARD_TILE / 16][4];
                 wgmma_fence();
                 rows_times_tile_t<BACKWARD_TILE>(p, kf, sm.q[s]);
+                wgmma_commit();
                 rows_times_tile_t<BACKWARD_TILE>(dp, vf, sm.dout[s]);
                 wgmma_commit();
-                wgmma_wait();
-                column_gradients<BACKWARD_TILE>(p, dp, key0, t0, scale, sm.lse[s], sm.D[s]);
-                unsigned pf[BACKWARD_TILE / 16][4], dsf[BACKWARD_TILE / 16][4];
+                wgmma_wait<1>();
+                settle<BACKWARD_TILE>(p);
+                column_probabilities<BACKWARD_TILE>(p, key0, t0, scale_log2, sm.lse[s]);
                 to_fragments<BACKWARD_TILE>(pf, p);
-                to_fragments<BACKWARD_TILE>(dsf, dp);
                 wgmma_fence();
                 fragments_times_tile<BACKWARD_TILE>(dv, pf, sm.dout[s]);
+                wgmma_commit();
+                wgmma_wait<1>();
+                settle<BACKWARD_TILE>(dp);
+                column_score_gradients<BACKWARD_TILE>(dp, p, sm.D[s]);
+                to_fragments<BACKWARD_TILE>(dsf, dp);
+                wgmma_fence();
                 fragments_times_tile<BACKWARD_TILE>(dk, dsf, sm.q[s]);
                 wgmma_commit();
                 wgmma_wait();
@@ -505,27 +523,33 @@ flash_backward_dq(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorMa
         const Item w = work_item(it, heads, NH, row_tiles, true);
         const int tiles = min(w.row0 + ROWS - 1, T - 1) / BACKWARD_TILE + 1;
         const int first_row = w.row0 + 64 * c, row0 = first_row + 16 * warp;
+        float L[2], Drow[2];
+        row_lse(L, lse + (long long)w.bh * T, row0, T);   // in flight while the rows land
         mbar_wait(&sm.held_full, n & 1);
         unsigned qf[HS / 16][4], dof[HS / 16][4], of[HS / 16][4];
         load_rows(qf, sm.q, 64 * c + 16 * warp);
         load_rows(dof, sm.dout, 64 * c + 16 * warp);
         load_rows(of, sm.out, 64 * c + 16 * warp);
         warp_arrive(&sm.held_empty);
-        float L[2], Drow[2];
-        row_statistics(L, Drow, lse + (long long)w.bh * T, D + (long long)w.bh * T, row0, T, dof, of);
+        row_D(Drow, D + (long long)w.bh * T, row0, T, dof, of);
 
         float dq[HS / 8][4] = {};
         for (int j = 0; j < tiles; j++, g++) {
             const int s = g % STAGES, k0 = j * BACKWARD_TILE;
             mbar_wait(&sm.full[s], (g / STAGES) & 1);
-            if (k0 <= first_row + 63) {
+            if (k0 <= first_row + 63) {   // P's exponentials run while the tensor cores make dP
                 float p[BACKWARD_TILE / 8][4], dp[BACKWARD_TILE / 8][4];
                 wgmma_fence();
                 rows_times_tile_t<BACKWARD_TILE>(p, qf, sm.k[s]);
+                wgmma_commit();
                 rows_times_tile_t<BACKWARD_TILE>(dp, dof, sm.v[s]);
                 wgmma_commit();
+                wgmma_wait<1>();
+                settle<BACKWARD_TILE>(p);
+                row_probabilities<BACKWARD_TILE>(p, row0, k0, scale_log2, L);
                 wgmma_wait();
-                row_gradients<BACKWARD_TILE>(p, dp, row0, k0, scale_log2, L, Drow);
+                settle<BACKWARD_TILE>(dp);
+                row_score_gradients<BACKWARD_TILE>(dp, p, Drow);
                 unsigned dsf[BACKWARD_TILE / 16][4];
                 to_fragments<BACKWARD_TILE>(dsf, dp);
                 wgmma_fence();

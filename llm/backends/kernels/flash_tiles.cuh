@@ -16,7 +16,6 @@
 #endif
 
 typedef __nv_bfloat16 bf16;
-constexpr float LN2 = 0.6931471805599453f;   // LOG2E is in common.cuh
 #define INF __int_as_float(0x7f800000)   // +infinity (NVRTC has no math.h)
 
 // ---- tiles in shared memory ------------------------------------------------------------------------------
@@ -167,8 +166,9 @@ __device__ __forceinline__ void rescale_rows(float o[][4], const float rescale[2
     }
 }
 
-// Forward, after the last tile: each row's log-sum-exp (natural log) into lse_row, and 1 / l, by which the
-// caller scales o as it stores it.
+// Forward, after the last tile: each row's log-sum-exp into lse_row, and 1 / l, by which the caller scales o
+// as it stores it. The lse is kept in log2 units, as the scores are (m + log2 l = log2(e) lse): the backward
+// then makes each probability with one FMA and one exponential, exp2(s * scale_log2 - lse).
 __device__ __forceinline__ void finish_softmax(float* lse_row, int row0, int T, const float m[2], float l[2],
                                                float inv_l[2]) {
     const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
@@ -177,18 +177,25 @@ __device__ __forceinline__ void finish_softmax(float* lse_row, int row0, int T, 
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         const int row = row0 + g + 8 * r;
-        if (q == 0 && row < T) lse_row[row] = (m[r] + log2f(l[r])) * LN2;
+        if (q == 0 && row < T) lse_row[row] = m[r] + log2f(l[r]);
         inv_l[r] = 1.0f / l[r];
     }
 }
 
-// Backward, dQ's rows: the lse (in log2 units) and D = rowsum(dO * O) of this thread's rows g and g+8 of
-// row0.., D from the warp's fragments of dO and O (load_rows': registers 0 and 2 hold row g, 1 and 3 row
-// g + 8), the four lanes of a row adding up their columns by shuffles. Each row's first lane writes its D
-// to the head's D_row, for the dK, dV kernel that runs next. Rows past T read as lse = +inf (P = 0); their
-// dO and O are zeros, so D = 0.
-__device__ __forceinline__ void row_statistics(float L[2], float Drow[2], const float* lse_row, float* D_row,
-                                               int row0, int T, const unsigned dof[][4], const unsigned of[][4]) {
+// Backward, dQ's rows g and g+8 of row0..: their lse; rows past T read as +inf (P = 0). Apart from D (next),
+// so that a kernel can load it before its tiles of dO and O have landed.
+__device__ __forceinline__ void row_lse(float L[2], const float* lse_row, int row0, int T) {
+    const int g = threadIdx.x % 32 / 4;
+    #pragma unroll
+    for (int r = 0; r < 2; r++) L[r] = row0 + g + 8 * r < T ? lse_row[row0 + g + 8 * r] : INF;
+}
+
+// Backward, dQ's rows g and g+8 of row0..: D = rowsum(dO * O) from the warp's fragments of dO and O
+// (load_rows': registers 0 and 2 hold row g, 1 and 3 row g + 8), the four lanes of a row adding up their
+// columns by shuffles. Each row's first lane writes its D to the head's D_row, for the dK, dV kernel that
+// runs next. Rows past T have dO and O zero, so D = 0.
+__device__ __forceinline__ void row_D(float Drow[2], float* D_row, int row0, int T, const unsigned dof[][4],
+                                      const unsigned of[][4]) {
     const int lane = threadIdx.x % 32, g = lane / 4;
     Drow[0] = Drow[1] = 0.0f;
     #pragma unroll
@@ -204,17 +211,17 @@ __device__ __forceinline__ void row_statistics(float L[2], float Drow[2], const 
         Drow[r] += __shfl_xor_sync(0xffffffffu, Drow[r], 1);
         Drow[r] += __shfl_xor_sync(0xffffffffu, Drow[r], 2);
         const int row = row0 + g + 8 * r;
-        L[r] = row < T ? lse_row[row] * LOG2E : INF;
         if (row < T && lane % 4 == 0) D_row[row] = Drow[r];
     }
 }
 
-// Backward, dQ's tile (rows are queries row0.., columns keys k0..): from s = Q K^T and dp = dO V^T,
-// P = exp(s * scale - lse) (0 after each query's own key) and dS = P * (dP - D), into p and dp.
-// L is the row's lse in log2 units and Drow its D.
+// Backward, dQ's tile (rows are queries row0.., columns keys k0..), in two steps, so that the Hopper kernel
+// can compute P while the tensor cores still compute dP: from s = Q K^T, P = exp2(s * scale_log2 - L)
+// (0 after each query's own key), into p; then, from dp = dO V^T, dS = P * (dP - D), into dp. L is the
+// row's lse (row_lse) and Drow its D (row_D).
 template <int N>
-__device__ __forceinline__ void row_gradients(float p[][4], float dp[][4], int row0, int k0, float scale_log2,
-                                              const float L[2], const float Drow[2]) {
+__device__ __forceinline__ void row_probabilities(float p[][4], int row0, int k0, float scale_log2,
+                                                  const float L[2]) {
     const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const bool diagonal = k0 + N - 1 > row0;
     #pragma unroll
@@ -223,23 +230,44 @@ __device__ __forceinline__ void row_gradients(float p[][4], float dp[][4], int r
         for (int i = 0; i < 4; i++) {
             const int row = row0 + g + 8 * (i / 2), key = k0 + 8 * nt + 2 * q + i % 2;
             p[nt][i] = diagonal && key > row ? 0.0f : fast_exp2(p[nt][i] * scale_log2 - L[i / 2]);
-            dp[nt][i] = p[nt][i] * (dp[nt][i] - Drow[i / 2]);   // dS
         }
 }
 
-// Backward, dK and dV's tile, transposed (rows are keys key0.., columns queries t0..): the same from
-// s^T = K Q^T and dp^T = V dO^T, with each column's lse and D from shared memory, tL and tD.
 template <int N>
-__device__ __forceinline__ void column_gradients(float p[][4], float dp[][4], int key0, int t0, float scale,
-                                                 const float* tL, const float* tD) {
-    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-    const bool diagonal = t0 < key0 + 15;   // else every query of the tile sees every key here
+__device__ __forceinline__ void row_score_gradients(float dp[][4], const float p[][4], const float Drow[2]) {
     #pragma unroll
     for (int nt = 0; nt < N / 8; nt++)
         #pragma unroll
+        for (int i = 0; i < 4; i++) dp[nt][i] = p[nt][i] * (dp[nt][i] - Drow[i / 2]);
+}
+
+// Backward, dK and dV's tile, transposed (rows are keys key0.., columns queries t0..): the same two steps
+// from s^T = K Q^T and dp^T = V dO^T, with each column's lse and D from shared memory, tL and tD (8-byte
+// aligned: a thread's two columns are one load).
+template <int N>
+__device__ __forceinline__ void column_probabilities(float p[][4], int key0, int t0, float scale_log2,
+                                                     const float* tL) {
+    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const bool diagonal = t0 < key0 + 15;   // else every query of the tile sees every key here
+    #pragma unroll
+    for (int nt = 0; nt < N / 8; nt++) {
+        const float2 L = *reinterpret_cast<const float2*>(tL + 8 * nt + 2 * q);   // columns 2q, 2q + 1
+        #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int key = key0 + g + 8 * (j / 2), col = 8 * nt + 2 * q + j % 2;
-            p[nt][j] = diagonal && t0 + col < key ? 0.0f : fast_exp2((p[nt][j] * scale - tL[col]) * LOG2E);
-            dp[nt][j] = p[nt][j] * (dp[nt][j] - tD[col]);   // dS^T
+            const float lse = j % 2 ? L.y : L.x;
+            p[nt][j] = diagonal && t0 + col < key ? 0.0f : fast_exp2(p[nt][j] * scale_log2 - lse);
         }
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void column_score_gradients(float dp[][4], const float p[][4], const float* tD) {
+    const int q = threadIdx.x % 4;
+    #pragma unroll
+    for (int nt = 0; nt < N / 8; nt++) {
+        const float2 D = *reinterpret_cast<const float2*>(tD + 8 * nt + 2 * q);
+        #pragma unroll
+        for (int j = 0; j < 4; j++) dp[nt][j] = p[nt][j] * (dp[nt][j] - (j % 2 ? D.y : D.x));
+    }
 }
