@@ -142,8 +142,7 @@ def test_a_signal_stops_every_long_running_command_with_one_line(command, sig, t
     assert handlers_installed(proc), proc.communicate()
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + sig and stdout == "", (proc.returncode, stdout)
-    assert stderr == f"stopped by {sig.name}\n"
+    assert (proc.returncode, stdout, stderr) == (128 + sig, "", f"stopped by {sig.name}\n")
 
 
 def train_args(steps):
