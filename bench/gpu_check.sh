@@ -74,13 +74,8 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
         > "$OUT/table${opts//[ -]/}.log" 2>&1
     done
     timeout 400 python3 -m bench.torch_gpt2 --model d12 -b 64 -t 1024 --steps 20 > "$OUT/table_torch.log" 2>&1
-    rows=("this project, defaults=$OUT/table.log")
-    if grep -q "steps in a row" "$OUT/tableattentioncudnn.log"; then   # cuDNN's frontend may be missing
-      rows+=("this project, --attention cudnn=$OUT/tableattentioncudnn.log")
-    else
-      echo "no --attention cudnn row: $(tail -n 1 "$OUT/tableattentioncudnn.log")"
-    fi
-    python3 -m bench.table "${rows[@]}" \
+    python3 -m bench.table "this project, defaults=$OUT/table.log" \
+      "this project, --attention cudnn=$OUT/tableattentioncudnn.log" \
       "torch.compile (nanoGPT's model)=$OUT/table_torch.log" --yardstick "torch.compile (nanoGPT's model)" \
       --limit 983000   # 790 TFLOP/s over d12's 0.80 GFLOP a token at T=1024
     grep -A 18 "^per-op" "$OUT/table.log" ;;

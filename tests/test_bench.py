@@ -66,6 +66,15 @@ def test_a_log_without_steps_in_a_row_is_one_line(tmp_path):
     proc = python(["-m", "bench.table", f"ours={tmp_path / 'cut.log'}", "--yardstick", "ours"], cwd=REPO)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert "cut.log: no 'N steps in a row: ... ms/step | ... tok/s' line: did the run finish?" in proc.stderr
+    # another run's unfinished log leaves its row out, with its last line (why it stopped), and no wrong row
+    (tmp_path / "torch.log").write_text("torch: loss 10.8 | 20 steps in a row: 100.0 ms/step | 2000 tok/s\n")
+    (tmp_path / "cudnn.log").write_text("\nerror: --attention cudnn needs cuDNN's Python frontend\n\n")
+    proc = python(["-m", "bench.table", f"cudnn={tmp_path / 'cudnn.log'}", f"torch={tmp_path / 'torch.log'}",
+                   "--yardstick", "torch"], cwd=REPO)
+    assert proc.returncode == 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("left out 'cudnn': ") and proc.stderr.endswith(
+        "Its last line: error: --attention cudnn needs cuDNN's Python frontend\n")
+    assert [line.split(" | ")[0] for line in proc.stdout.splitlines()[2:]] == ["| torch"]
 
 
 @pytest.mark.parametrize("args, message", [
