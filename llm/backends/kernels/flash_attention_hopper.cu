@@ -329,6 +329,7 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
             fragments_times_tile<FORWARD_TILE>(o, p, sm.v[(ring - 1) % STAGES]);   // O += P_{j-1} V_{j-1}
             wgmma_commit();
             wgmma_wait<1>();   // S_j is done; its softmax runs while P V still does
+            settle<FORWARD_TILE>(s);
             softmax_step<FORWARD_TILE>(s, m, l, rescale, row0, j * FORWARD_TILE, scale_log2);
             wgmma_wait();
             release(sm.empty, ring - 1);
