@@ -15,8 +15,9 @@
 //
 // What the backward needs is then only the output and, per row, the log-sum-exp lse = m + log(l) (B, NH, T)
 // in fp32 (kept in log2 units, as the scores: flash_tiles.cuh's finish_softmax): from q, k and lse it
-// recomputes any tile of probabilities as P = exp(S - lse), and it keeps no (T, T) matrix either. With dO the gradient at the output and D = rowsum(dO * out) (it equals
-// sum_j P_ij dP_ij, the term the softmax's Jacobian subtracts, because out = P v):
+// recomputes any tile of probabilities as P = exp(S - lse), and it keeps no (T, T) matrix either. With dO
+// the gradient at the output and D = rowsum(dO * out) (it equals sum_j P_ij dP_ij, the term the softmax's
+// Jacobian subtracts, because out = P v):
 //   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = dS K * scale,   dK = dS^T Q * scale.
 // Here it runs as two kernels, so that every sum is made by one thread block in a fixed order (the same
 // result on every run, no atomics): one block per query tile sums dQ over its key tiles, and one block per

@@ -125,8 +125,9 @@ template <int PENDING = 0>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(PENDING) : "memory");
 }
-// After a wait, before an accumulator is read: the compiler sees its registers change here, so that it
-// moves no read of them above the wait (it cannot know when an asynchronous wgmma writes them).
+// After the wait that completes an accumulator, before anything reads it (every such read in this file):
+// the compiler sees its registers change here, so that it moves no read of them above the wait (it cannot
+// know when an asynchronous wgmma writes them).
 template <int N>
 __device__ __forceinline__ void settle(float acc[][4]) {
     #pragma unroll
@@ -318,6 +319,7 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
         rows_times_tile_t<FORWARD_TILE>(s, qf, sm.k[g % STAGES]);
         wgmma_commit();
         wgmma_wait();
+        settle<FORWARD_TILE>(s);
         softmax_step<FORWARD_TILE>(s, m, l, rescale, row0, 0, scale_log2);
         to_fragments<FORWARD_TILE>(p, s);
         for (int j = 1; j < my_tiles; j++) {
@@ -332,6 +334,7 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
             settle<FORWARD_TILE>(s);
             softmax_step<FORWARD_TILE>(s, m, l, rescale, row0, j * FORWARD_TILE, scale_log2);
             wgmma_wait();
+            settle<HS>(o);
             release(sm.empty, ring - 1);
             rescale_rows(o, rescale);   // O to S_j's max, now that P V no longer writes it
             to_fragments<FORWARD_TILE>(p, s);
@@ -340,6 +343,7 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
         fragments_times_tile<FORWARD_TILE>(o, p, sm.v[(g + my_tiles - 1) % STAGES]);
         wgmma_commit();
         wgmma_wait();
+        settle<HS>(o);
         release(sm.empty, g + my_tiles - 1);
         for (int j = my_tiles; j < tiles; j++) {   // past the diagonal: let the producer reuse the stage
             mbar_wait(&sm.full[(g + j) % STAGES], ((g + j) / STAGES) & 1);
@@ -467,6 +471,8 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorM
             }
             release(sm.empty, g);
         }
+        settle<HS>(dk);   // after the last tile's wait
+        settle<HS>(dv);
         store_gradient(dqkv, bias_sums, 1, w.b, w.h, C, key0, T, dk, scale);
         store_gradient(dqkv, bias_sums, 2, w.b, w.h, C, key0, T, dv, 1.0f);
     }
@@ -563,6 +569,7 @@ flash_backward_dq(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorMa
             }
             release(sm.empty, g);
         }
+        settle<HS>(dq);   // after the last tile's wait
         store_gradient(dqkv, bias_sums, 0, w.b, w.h, C, row0, T, dq, scale);
     }
 }
