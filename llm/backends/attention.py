@@ -165,33 +165,33 @@ class FlashAttention:
 class HopperFlashAttention(FlashAttention):
     """FlashAttention on sm_90a (kernels/flash_attention_hopper.cu): the same saved lse and two-pass
     backward (dQ and D, then dK and dV) as FlashAttention, with every tile brought in by the copy engine
-    through a tensor map and multiplied by wgmma. A block is one producer warpgroup and CONSUMERS consumer
-    warpgroups, each owning 64 rows; STAGES tiles are in flight between them. The kernels are persistent:
-    one block per SM, each walking its share of the items (ROWS rows of one head). The kernels export the
-    bytes of shared memory their layouts take, which the launch reads back."""
+    through a tensor map and multiplied by wgmma. A block is one producer warpgroup and CONSUMERS[kernel]
+    consumer warpgroups, each owning 64 rows; STAGES tiles are in flight between them. The kernels are
+    persistent: one block per SM, each walking its share of the items (64 rows per consumer, of one head).
+    The kernels export the bytes of shared memory their layouts take, which the launch reads back."""
     name = "flash-hopper"
-    CONSUMERS, STAGES, FORWARD_TILE, BACKWARD_TILE = 2, 3, 128, 64   # the fastest measured on an H200
+    # consumer warpgroups per kernel: the dK, dV kernel reads K and V from shared memory, which leaves room
+    # for a third (its comment says what it gains); dQ's gained nothing from a third (477.6 against 479.8 us)
+    CONSUMERS = dict(flash_forward=2, flash_backward_dq=2, flash_backward_dkv=3)
+    STAGES, FORWARD_TILE, BACKWARD_TILE = 3, 128, 64   # the fastest measured on an H200
     GROUP_HEADS = 64   # items are ordered by row tile within groups of this many heads (the kernels say why)
-    ROWS, COPY_ROWS = 64 * CONSUMERS, 64   # rows a block owns; rows the copy engine moves at once
+    COPY_ROWS = 64     # rows the copy engine moves at once
 
     def __init__(self, kernels, scratch, num_sms):
         super().__init__(kernels, scratch)
         self.maps, self.num_sms = TensorMaps(), num_sms
 
-    def _hopper(self, name, hs):
-        defines = dict(HS=hs, CONSUMERS=self.CONSUMERS, STAGES=self.STAGES, FORWARD_TILE=self.FORWARD_TILE,
+    def _launch(self, name, hs, T, B, NH, args):
+        # persistent: one block per SM walks the blocks(T, rows) * B * NH items (the kernels' header says why)
+        consumers = self.CONSUMERS[name]
+        defines = dict(HS=hs, CONSUMERS=consumers, STAGES=self.STAGES, FORWARD_TILE=self.FORWARD_TILE,
                        BACKWARD_TILE=self.BACKWARD_TILE, GROUP_HEADS=self.GROUP_HEADS)
         kernel = self.kernels.get("flash_attention_hopper", name, BF16, arch="sm_90a", **defines)
         shared = self.kernels.value("flash_attention_hopper", f"{name}_smem", BF16, arch="sm_90a", **defines)
         if kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
-        return kernel, shared
-
-    def _launch(self, name, hs, T, B, NH, args):
-        # persistent: one block per SM walks the blocks(T, ROWS) * B * NH items (the kernels' header says why)
-        kernel, shared = self._hopper(name, hs)
-        grid = min(self.num_sms, blocks(T, self.ROWS) * B * NH)
-        kernel((grid,), (128 * (1 + self.CONSUMERS),), args, shared_mem=shared)
+        grid = min(self.num_sms, blocks(T, 64 * consumers) * B * NH)
+        kernel((grid,), (128 * (1 + consumers),), args, shared_mem=shared)
 
     def forward(self, out, lse, qkv, NH):
         B, T, _ = qkv.shape

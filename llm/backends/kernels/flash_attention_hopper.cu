@@ -3,11 +3,11 @@
 // here, and so is the math between the products (flash_tiles.cuh). What Hopper changes is how the tiles move
 // and how they are multiplied:
 //
-// - wgmma. A warpgroup (4 warps, 128 threads) multiplies its 64 rows (A, here always in registers) by a tile
-//   B that the tensor cores read straight from shared memory, N columns at once, in one asynchronous
-//   instruction. mma.sync makes each warp load every B fragment into registers with ldmatrix first, 16 x 8 at
-//   a time, and on Hopper runs the tensor cores at about two thirds of their rate. wgmma takes B where it
-//   lies, described by a 64-bit "descriptor" (its address, its row stride and its swizzle).
+// - wgmma. A warpgroup (4 warps, 128 threads) multiplies its 64 rows (A, in registers or in shared
+//   memory) by a tile B that the tensor cores read straight from shared memory, N columns at once, in one
+//   asynchronous instruction. mma.sync makes each warp load every B fragment into registers with ldmatrix
+//   first, 16 x 8 at a time, and on Hopper runs the tensor cores at about two thirds of their rate. wgmma
+//   takes B where it lies, described by a 64-bit "descriptor" (its address, its row stride and its swizzle).
 // - TMA, the tensor memory accelerator. One thread asks the copy engine for a whole tile with one instruction
 //   (cp.async.bulk.tensor). The engine computes every address, writes the tile into shared memory swizzled
 //   as wgmma reads it, fills rows past the sequence's end with zeros, and counts the bytes that arrived on an
@@ -27,7 +27,7 @@
 #include "flash_tiles.cuh"
 
 #ifndef CONSUMERS
-#define CONSUMERS 2        // consumer warpgroups per block; the block owns 64 * CONSUMERS rows
+#define CONSUMERS 2        // consumer warpgroups per block (the launcher's, per kernel); 64 rows each
 #endif
 #ifndef STAGES
 #define STAGES 3           // tile buffers in the ring between the producer and the consumers
@@ -84,11 +84,11 @@ __device__ __forceinline__ void tma_load(bf16* tile, const TensorMap* map, int c
 // The pool is what the block got at launch, 65,536 / THREADS each rounded down to 8 (168 with two consumer
 // warpgroups): a consumer's share beyond it would wait forever. Each kernel names its PRODUCER once:
 // 24 in the forward, whose producer is one thread issuing copies (its consumers get 240 instead of 232:
-// 0.372 against 0.389 and 0.384 ms a layer on an H200, near the noise on an H100); 40 in the backward's, where
-// 24 spilled in the dK, dV kernel (its producer warp also loads lse and D) and gained nothing for dQ (1.060
-// against 1.057 ms, H200).
+// 0.372 against 0.389 and 0.384 ms a layer on an H200, near the noise on an H100); 32 in the backward's, so
+// that the dK, dV kernel's three consumer warpgroups get 160 (its producer warp, which also loads lse and D,
+// spills 20 bytes at 32 and 52 at 24; dQ's two get 232 either way).
 constexpr int LAUNCH_REGISTERS = 65536 / THREADS / 8 * 8;
-constexpr int FORWARD_PRODUCER = 24, BACKWARD_PRODUCER = 40;
+constexpr int FORWARD_PRODUCER = 24, BACKWARD_PRODUCER = 32;
 template <int PRODUCER>
 __device__ __forceinline__ void registers_down() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER));
@@ -169,15 +169,38 @@ __device__ __forceinline__ void wgmma(float acc[][4], const unsigned a[4], unsig
     }
 }
 
-// acc (16 x N per warp) = A rows (fragments a, HS columns) times tile^T, tile N rows of HS: S = Q K^T,
-// dP = dO V^T, S^T = K Q^T, dP^T = V dO^T. One instruction per 64 rows of the tile and per k-step of 16.
-template <int N>
-__device__ __forceinline__ void rows_times_tile_t(float acc[][4], const unsigned a[][4], const bf16* tile) {
+// The same product with A read from shared memory as well, through descriptor a: a tile of the
+// warpgroup's 64 rows, its HS columns the sum's k (each k-step + 2, as B's). Here only for N = 64, B not
+// transposed (S^T = K Q^T and dP^T = V dO^T in the dK, dV kernel).
+template <int N, int TRANS>
+__device__ __forceinline__ void wgmma(float acc[][4], unsigned long long a, unsigned long long b,
+                                      int accumulate) {
+    static_assert(N == 64 && TRANS == 0, "A from shared memory: N = 64, B not transposed");
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+                 " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
+                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
+                 " %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : ACC8(0), ACC8(2), ACC8(4), ACC8(6)
+                 : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// A's k-step kk: the fragments of a warp's 16 rows in registers, or a tile of the warpgroup's 64 rows.
+__device__ __forceinline__ const unsigned* k_step(const unsigned a[][4], int kk) { return a[kk]; }
+__device__ __forceinline__ unsigned long long k_step(const bf16* rows, int kk) {
+    return descriptor(rows) + 2 * kk;
+}
+
+// acc (16 x N per warp) = A rows (HS columns: fragments, or a tile in shared memory) times tile^T, tile N
+// rows of HS: S = Q K^T, dP = dO V^T, S^T = K Q^T, dP^T = V dO^T. One instruction per 64 rows of the tile
+// and per k-step of 16.
+template <int N, typename Rows>
+__device__ __forceinline__ void rows_times_tile_t(float acc[][4], Rows a, const bf16* tile) {
     #pragma unroll
     for (int n = 0; n < N / 64; n++)
         #pragma unroll
         for (int kk = 0; kk < HS / 16; kk++)
-            wgmma<64, 0>(acc + 8 * n, a[kk], descriptor(tile + n * 64 * HS) + 2 * kk, kk);
+            wgmma<64, 0>(acc + 8 * n, k_step(a, kk), descriptor(tile + n * 64 * HS) + 2 * kk, kk);
 }
 
 // acc (16 x HS per warp) += P times tile (K rows of HS), P given as its bf16 A fragments: O += P V,
@@ -360,7 +383,7 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
 // The dQ kernel runs first and writes D = rowsum(dO * out), as flash_attention.cu's does.
 //
 // dK and dV of items of ROWS keys, the first keys (which see the most queries) first. Consumer c owns keys
-// row0 + 64c ... and keeps its rows of K and V in registers; the producer streams the query tiles from the
+// row0 + 64c ...; the producer streams the query tiles from the
 // diagonal down (Q and dO by the copy engine, their lse and D by the producer warp's own loads). Per tile,
 // as flash_backward_dkv:
 //   S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T - lse), dS^T = P^T * (dP^T - D), dV += P^T dO, dK += dS^T Q.
@@ -368,12 +391,17 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
 // next: P's exponentials run while dP is made, dS while dV is (both kernels: 1.00-1.02 against 1.06-1.08 ms
 // a layer at GPT-2 124M, B=64, on an H100). Across tiles they are not put out of phase as the forward's:
 // that made both kernels slower (1.18 against 1.13 ms on an H200; the next tile's S and dP issued behind dK
-// or dQ, before any wait, 1.25 against 1.00-1.04 on an H100). The two consumer warpgroups already fill each
-// other's gaps.
+// or dQ, before any wait, 1.25 against 1.00-1.04 on an H100). The consumer warpgroups fill each other's gaps.
+// K and V stay in shared memory, read there by S^T's and dP^T's wgmma, not in registers as dQ's Q and dO:
+// that leaves each consumer room for the products within the 160 registers of three consumer warpgroups
+// (with K and V in registers, three spilled 260 bytes), and three fill the tensor cores' gaps better than
+// two (Nsight Compute, H100: 665-672 against 701 us a layer; two with K and V in shared memory, 5% slower
+// than in registers). The item's K and V have two buffers, so that the producer loads the next item's
+// while this one's are still read.
 struct DkvSmem {
-    bf16 k[ROWS * HS], v[ROWS * HS], q[STAGES][BACKWARD_TILE * HS], dout[STAGES][BACKWARD_TILE * HS];
+    bf16 k[2][ROWS * HS], v[2][ROWS * HS], q[STAGES][BACKWARD_TILE * HS], dout[STAGES][BACKWARD_TILE * HS];
     float lse[STAGES][BACKWARD_TILE], D[STAGES][BACKWARD_TILE];
-    unsigned long long held_full, held_empty, full[STAGES], empty[STAGES];
+    unsigned long long held_full[2], held_empty[2], full[STAGES], empty[STAGES];
 };
 extern "C" __device__ int flash_backward_dkv_smem = sizeof(DkvSmem) + 1024;
 
@@ -386,8 +414,10 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorM
     const int C = NH * HS, row_tiles = (T + ROWS - 1) / ROWS, items = row_tiles * heads;
     const int tiles = (T + BACKWARD_TILE - 1) / BACKWARD_TILE;
     if (threadIdx.x == 0) {
-        mbar_init(&sm.held_full, 1);
-        mbar_init(&sm.held_empty, 4 * CONSUMERS);
+        for (int h = 0; h < 2; h++) {
+            mbar_init(&sm.held_full[h], 1);
+            mbar_init(&sm.held_empty[h], 4 * CONSUMERS);
+        }
         init_ring(sm.full, sm.empty, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -400,12 +430,14 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorM
         for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
             // the first keys first: they see the most queries
             const Item w = work_item(it, heads, NH, row_tiles, false);
-            if (lane == 0) {
-                if (n > 0) mbar_wait(&sm.held_empty, (n - 1) & 1);
-                mbar_arrive_expect_bytes(&sm.held_full, 2 * ROWS * HS * 2);
+            if (lane == 0) {   // item n's K and V into buffer n % 2, once item n - 2 is done with it
+                const int h = n % 2;
+                if (n >= 2) mbar_wait(&sm.held_empty[h], (n / 2 - 1) & 1);
+                mbar_arrive_expect_bytes(&sm.held_full[h], 2 * ROWS * HS * 2);
                 for (int r = 0; r < ROWS; r += COPY_ROWS) {
-                    tma_load(sm.k + r * HS, &qkv_map, C + w.h * HS, w.row0 + r, w.b, &sm.held_full);
-                    tma_load(sm.v + r * HS, &qkv_map, 2 * C + w.h * HS, w.row0 + r, w.b, &sm.held_full);
+                    tma_load(sm.k[h] + r * HS, &qkv_map, C + w.h * HS, w.row0 + r, w.b, &sm.held_full[h]);
+                    tma_load(sm.v[h] + r * HS, &qkv_map, 2 * C + w.h * HS, w.row0 + r, w.b,
+                             &sm.held_full[h]);
                 }
             }
             const float* lse_row = lse + (long long)w.bh * T;
@@ -433,11 +465,8 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorM
     for (int it = blockIdx.x, n = 0, g = 0; it < items; it += gridDim.x, n++) {
         const Item w = work_item(it, heads, NH, row_tiles, false);
         const int first = w.row0 / BACKWARD_TILE, first_key = w.row0 + 64 * c, key0 = first_key + 16 * warp;
-        mbar_wait(&sm.held_full, n & 1);
-        unsigned kf[HS / 16][4], vf[HS / 16][4];
-        load_rows(kf, sm.k, 64 * c + 16 * warp);
-        load_rows(vf, sm.v, 64 * c + 16 * warp);
-        warp_arrive(&sm.held_empty);
+        const bf16 *k_rows = sm.k[n % 2] + 64 * c * HS, *v_rows = sm.v[n % 2] + 64 * c * HS;
+        mbar_wait(&sm.held_full[n % 2], (n / 2) & 1);
 
         float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
         for (int i = first; i < tiles; i++, g++) {
@@ -449,9 +478,9 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorM
                 float p[BACKWARD_TILE / 8][4], dp[BACKWARD_TILE / 8][4];
                 unsigned pf[BACKWARD_TILE / 16][4], dsf[BACKWARD_TILE / 16][4];
                 wgmma_fence();
-                rows_times_tile_t<BACKWARD_TILE>(p, kf, sm.q[s]);
+                rows_times_tile_t<BACKWARD_TILE>(p, k_rows, sm.q[s]);
                 wgmma_commit();
-                rows_times_tile_t<BACKWARD_TILE>(dp, vf, sm.dout[s]);
+                rows_times_tile_t<BACKWARD_TILE>(dp, v_rows, sm.dout[s]);
                 wgmma_commit();
                 wgmma_wait<1>();
                 settle<BACKWARD_TILE>(p);
@@ -471,6 +500,7 @@ flash_backward_dkv(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorM
             }
             release(sm.empty, g);
         }
+        warp_arrive(&sm.held_empty[n % 2]);   // every product that read K and V is done
         settle<HS>(dk);   // after the last tile's wait
         settle<HS>(dv);
         store_gradient(dqkv, bias_sums, 1, w.b, w.h, C, key0, T, dk, scale);
