@@ -139,6 +139,9 @@ __device__ __forceinline__ void settle(float acc[][4]) {
 // fragment a) times B (16 x N) read through descriptor b; TRANS says which way B lies (see descriptor()).
 // accumulate = 0 overwrites acc. The warpgroup's 4 warps issue it together; it runs asynchronously until
 // wgmma_wait().
+// The operand list of a 64 x 64 accumulator (32 floats a thread), in both forms of m64n64k16 below.
+#define ACC64_LIST " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+                   " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
 #define ACC8(i) "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3]), \
                 "+f"(acc[i + 1][0]), "+f"(acc[i + 1][1]), "+f"(acc[i + 1][2]), "+f"(acc[i + 1][3])
 template <int N, int TRANS>
@@ -161,8 +164,7 @@ __device__ __forceinline__ void wgmma(float acc[][4], const unsigned a[4], unsig
         static_assert(N == 64, "wgmma here: N = 16, 32 or 64");
         asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %38, 0;\n"
                      " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
-                     " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-                     " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
+                     ACC64_LIST
                      " {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
                      : ACC8(0), ACC8(2), ACC8(4), ACC8(6)
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TRANS), "r"(accumulate));
@@ -178,8 +180,7 @@ __device__ __forceinline__ void wgmma(float acc[][4], unsigned long long a, unsi
     static_assert(N == 64 && TRANS == 0, "A from shared memory: N = 64, B not transposed");
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
                  " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
-                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
+                 ACC64_LIST
                  " %32, %33, p, 1, 1, 0, 0;\n}\n"
                  : ACC8(0), ACC8(2), ACC8(4), ACC8(6)
                  : "l"(a), "l"(b), "r"(accumulate));
