@@ -384,9 +384,8 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
 // The dQ kernel runs first and writes D = rowsum(dO * out), as flash_attention.cu's does.
 //
 // dK and dV of items of ROWS keys, the first keys (which see the most queries) first. Consumer c owns keys
-// row0 + 64c ...; the producer streams the query tiles from the
-// diagonal down (Q and dO by the copy engine, their lse and D by the producer warp's own loads). Per tile,
-// as flash_backward_dkv:
+// row0 + 64c ...; the producer streams the query tiles from the diagonal down (Q and dO by the copy engine,
+// their lse and D by the producer warp's own loads). Per tile, as flash_backward_dkv:
 //   S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T - lse), dS^T = P^T * (dP^T - D), dV += P^T dO, dK += dS^T Q.
 // Within a tile, each product is its own commit group, so that a warpgroup waits only for the one it needs
 // next: P's exponentials run while dP is made, dS while dV is (both kernels: 1.00-1.02 against 1.06-1.08 ms
