@@ -163,7 +163,7 @@ def test_layernorm_forward_and_backward_accumulate(gpu, shape):
 
 
 def test_layernorm_backward_of_a_wide_row(gpu):
-    """C = 1600 (GPT-2 1.5B): one block per SM, and the bias gradient below by a pass of its own."""
+    """C = 1600 (GPT-2 1.5B): fewer warps a block, each with the bias gradient below as its third sum."""
     rng = np.random.default_rng(5)
     B, T, C = 2, 8, 1600
     x, w, b = randn(rng, B, T, C, scale=2.0) + 0.5, randn(rng, C), randn(rng, C)

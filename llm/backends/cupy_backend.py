@@ -35,6 +35,7 @@ class CupyBackend:
         self.dtype = BF16 if precision == "bf16" else FP32
         device = cupy.cuda.Device()
         self.num_sms = device.attributes["MultiProcessorCount"]
+        self.shared_per_block = device.attributes["MaxSharedMemoryPerBlockOptin"]
         self.kernels, self.scratch = Kernels(), Scratch()
         self.blas, self.lt = Blas(allow_tf32), BlasLt(allow_tf32)
         if precision == "fp32":   # the checking precision: exact attention
@@ -179,12 +180,10 @@ class CupyBackend:
 
     # ---------------------------------------------------------------- layernorm
 
-    # layernorm_backward's (warps per block, blocks per SM) for rows up to LN_FUSED_CHANNELS, and wider. A
-    # lane holds its share of a row and of each column sum in registers: 165 of them at C = 768 with the
-    # third sum (dbias_below), 255 at 1600, where dbias_below takes a pass of its own (a third sum spilled).
-    # Fastest on an H200, d12 B=64: 12 x 1 0.133 ms; 6 x 2 0.136, 10 x 1 0.140, 4 x 3 0.141, 8 x 1 0.142,
-    # 14 x 1 0.199 (spills). d48 B=16: 8 x 1 and 4 x 2 0.122 ms, 6 x 1 0.128, 4 x 1 0.138.
-    LN_NARROW, LN_WIDE, LN_FUSED_CHANNELS = (12, 1), (8, 1), 768
+    # layernorm_backward's warps per block, one block an SM: as many as this and the shared memory that holds
+    # each warp's sums allow (16 at C = 768, 10 at 1600 on a Hopper). Alone on an H100, d12 B=64: 16 and 12
+    # warps 0.164 ms, 8 0.169, 6 0.185; d48 B=16: 10 and 8 0.110 ms, 6 0.114.
+    LN_WARPS = 16
 
     def layernorm_forward(self, out, mean, rstd, inp, w, b):
         self._layernorm_forward(None, out, mean, rstd, inp, None, w, b)
@@ -207,18 +206,19 @@ class CupyBackend:
         C = inp.shape[-1]
         N = inp.size // C
         check_packs((dinp, dout, inp, w), C=C)
-        narrow = C <= self.LN_FUSED_CHANNELS
-        sums = 3 if narrow and dbias_below is not None else 2
-        warps, per_sm = self.LN_NARROW if narrow else self.LN_WIDE
-        # per_sm blocks per SM, each holding its rows' sums in registers, then writing one partial row
-        grid = min(blocks(N, warps), per_sm * self.num_sms)
+        sums = 2 if dbias_below is None else 3
+        pack = 16 // dinp.dtype.itemsize
+        slice_bytes = sums * blocks(C // pack, 32) * 32 * pack * 4   # a warp's sums, as the kernel lays them out
+        warps = min(self.LN_WARPS, self.shared_per_block // slice_bytes)
+        grid = min(blocks(N, warps), self.num_sms)
         partial = self._buffer(f"ln_partial{sums}", (grid, sums * C), FP32)
-        self._kernel("layernorm", "layernorm_backward", CHANNELS=C, WARPS=warps, SUMS=sums, BLOCKS=per_sm)(
-            (grid,), (32 * warps,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N)))
+        kernel = self._kernel("layernorm", "layernorm_backward", CHANNELS=C, WARPS=warps, SUMS=sums)
+        if kernel.max_dynamic_shared_size_bytes < warps * slice_bytes:
+            kernel.max_dynamic_shared_size_bytes = warps * slice_bytes
+        kernel((grid,), (32 * warps,), (dinp, partial, dout, inp, w, mean, rstd, np.int32(N)),
+               shared_mem=warps * slice_bytes)
         for k, out in enumerate((dw, db, dbias_below)[:sums]):
             self._add_partial_sums(out, partial.reshape(-1)[k * C:], grid, sums * C)
-        if sums == 2:
-            self._bias_gradient(dbias_below, dinp)
 
     # ---------------------------------------------------------------- matmul
     # Through cuBLASLt (cuda.py), whose epilogues add the bias, and in bf16 apply GELU, inside the GEMM. In

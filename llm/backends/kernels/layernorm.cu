@@ -14,9 +14,6 @@
 #ifndef SUMS
 #define SUMS 2         // column sums layernorm_backward makes: dw, db, and with 3 also dinp's
 #endif
-#ifndef BLOCKS
-#define BLOCKS 2       // blocks of layernorm_backward per SM, as the launcher's grid has them
-#endif
 constexpr int C = CHANNELS, PACKS = C / PACK, LANE_PACKS = (PACKS + 31) / 32;   // a lane's packs of a row
 static_assert(C % PACK == 0, "the launcher checks that C is a multiple of 8");
 
@@ -77,24 +74,36 @@ extern "C" __global__ void layernorm_forward(floatX* residual, floatX* out, floa
 // With n = (x - mean) * rstd and g = w * dout:
 //   dinp += rstd * (g - mean(g) - n * mean(g * n)),  dw += sum over rows of dout * n,  db += sum of dout.
 // One warp per row at a time: warp `warp` of block k takes rows k * WARPS + warp, stepping by gridDim.x *
-// WARPS. A lane loads its share of the row's x, dout and dinp once, into registers, and keeps its channels'
-// dw and db sums in registers across every row it visits. It loads all three before it works on any: the
-// kernel is bound by memory, and dinp loaded only when it is written would make a second round trip a row.
-// At the end the warps add their sums into shared memory one after the other, in warp order, and the
-// block writes one row of `partial` (gridDim.x, SUMS * C: dw, db, then with SUMS = 3 the column sums of
-// dinp as updated); add_partial_sums (reduce.cu) then adds the rows in order. No atomics anywhere, so the
-// sums are the same on every run.
+// WARPS. A lane loads its share of the row's x, dout and dinp once, into registers, before it works on
+// any of them: the kernel is bound by memory, and dinp loaded only when it is written would make a second
+// round trip a row. Its channels' dw and db sums (and with SUMS = 3 the column sums of dinp as updated)
+// run across every row it visits in its warp's slice of shared memory, not in registers: registers then
+// hold little more than the row, so an SM keeps more warps' rows in flight, and C = 1600 takes the third
+// sum too (in registers it spilled). At the end the block adds the warps' slices in warp order and writes
+// one row of `partial` (gridDim.x, SUMS * C: dw, db, then dinp's sums); add_partial_sums (reduce.cu) then
+// adds the rows in order. No atomics anywhere, so the sums are the same on every run.
 //
 // dinp is the residual stream's gradient, which is also the gradient at the output of the projection
 // (attproj, or the layer below's fcproj) that added into the stream just below this layernorm: its
 // column sums are that projection's bias gradient, summed here from the registers that write dinp rather
 // than by a pass of their own.
-extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS)
+constexpr int QUADS = PACK / 4;                        // float4s of one sum a pack has
+constexpr int SLICE = SUMS * LANE_PACKS * PACK * 32;   // floats of one warp's sums
+
+// Where lane `lane` keeps quad q of its pack k of sum s in its warp's slice: lanes 16 bytes apart, so that a
+// warp's float4 access is 512 contiguous bytes, without bank conflicts.
+__device__ __forceinline__ int sum_at(int s, int k, int q, int lane) {
+    return ((s * LANE_PACKS + k) * QUADS + q) * 128 + lane * 4;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS, 1)
 layernorm_backward(floatX* dinp, float* partial, const floatX* dout, const floatX* inp, const floatX* w,
                    const float* mean, const float* rstd, int N) {
-    __shared__ float block_sums[SUMS * C];
+    extern __shared__ float4 slices[];   // WARPS slices of SLICE floats (the launcher sizes it)
+    float* sums = reinterpret_cast<float*>(slices);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float dw[LANE_PACKS][PACK] = {}, db[LANE_PACKS][PACK] = {}, dr[LANE_PACKS][PACK] = {};
+    float* mine = sums + warp * SLICE;
+    for (int j = lane * 4; j < SLICE; j += 128) *reinterpret_cast<float4*>(mine + j) = make_float4(0, 0, 0, 0);
     for (int row = blockIdx.x * WARPS + warp; row < N; row += gridDim.x * WARPS) {
         const long long offset = (long long)row * C;
         Pack px[LANE_PACKS], pd[LANE_PACKS], pdx[LANE_PACKS];
@@ -124,32 +133,38 @@ layernorm_backward(floatX* dinp, float* partial, const floatX* dout, const float
             if (!owns(lane, k)) continue;
             const int c = channel(lane, k);
             const Pack pw = load_pack(w + c);
+            float add[3][PACK];   // this row's terms of dw, db and dinp's sums
             #pragma unroll
             for (int i = 0; i < PACK; i++) {
                 const float n = ((float)px[k].v[i] - m) * s, d = (float)pd[k].v[i];
                 pdx[k].v[i] = floatX((float)pdx[k].v[i] + s * ((float)pw.v[i] * d - mean_g - n * mean_gn));
-                dw[k][i] += d * n;
-                db[k][i] += d;
-                if (SUMS == 3) dr[k][i] += (float)pdx[k].v[i];
+                add[0][i] = d * n;
+                add[1][i] = d;
+                add[2][i] = (float)pdx[k].v[i];
             }
             store_pack(dinp + offset + c, pdx[k]);
+            #pragma unroll
+            for (int sum = 0; sum < SUMS; sum++)
+                #pragma unroll
+                for (int q = 0; q < QUADS; q++) {
+                    float4* at = reinterpret_cast<float4*>(mine + sum_at(sum, k, q, lane));
+                    float4 v = *at;
+                    v.x += add[sum][4 * q];
+                    v.y += add[sum][4 * q + 1];
+                    v.z += add[sum][4 * q + 2];
+                    v.w += add[sum][4 * q + 3];
+                    *at = v;
+                }
         }
     }
-    for (int j = threadIdx.x; j < SUMS * C; j += blockDim.x) block_sums[j] = 0.0f;
     __syncthreads();
-    for (int turn = 0; turn < WARPS; turn++) {   // warp by warp: a fixed order of additions
-        if (warp == turn)
-            #pragma unroll
-            for (int k = 0; k < LANE_PACKS; k++)
-                if (owns(lane, k))
-                    #pragma unroll
-                    for (int i = 0; i < PACK; i++) {
-                        block_sums[channel(lane, k) + i] += dw[k][i];
-                        block_sums[C + channel(lane, k) + i] += db[k][i];
-                        if (SUMS == 3) block_sums[2 * C + channel(lane, k) + i] += dr[k][i];
-                    }
-        __syncthreads();
+    // thread j adds position j of every warp's slice, in warp order, and writes it to its channel
+    for (int j = threadIdx.x; j < SLICE; j += blockDim.x) {
+        const int sum = j / (LANE_PACKS * QUADS * 128), k = j / (QUADS * 128) % LANE_PACKS,
+                  q = j / 128 % QUADS, l = j % 128 / 4;
+        if (!owns(l, k)) continue;
+        float total = 0.0f;
+        for (int from = 0; from < WARPS; from++) total += sums[from * SLICE + j];
+        partial[(long long)blockIdx.x * SUMS * C + sum * C + channel(l, k) + 4 * q + j % 4] = total;
     }
-    for (int j = threadIdx.x; j < SUMS * C; j += blockDim.x)
-        partial[(long long)blockIdx.x * SUMS * C + j] = block_sums[j];
 }
