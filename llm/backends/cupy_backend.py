@@ -208,7 +208,7 @@ class CupyBackend:
         check_packs((dinp, dout, inp, w), C=C)
         sums = 2 if dbias_below is None else 3
         pack = 16 // dinp.dtype.itemsize
-        slice_bytes = sums * blocks(C // pack, 32) * 32 * pack * 4   # a warp's sums, as the kernel lays them out
+        slice_bytes = sums * blocks(C // pack, 32) * 32 * pack * 4   # a warp's sums, laid out as the kernel's
         warps = min(self.LN_WARPS, self.shared_per_block // slice_bytes)
         grid = min(blocks(N, warps), self.num_sms)
         partial = self._buffer(f"ln_partial{sums}", (grid, sums * C), FP32)

@@ -103,7 +103,8 @@ layernorm_backward(floatX* dinp, float* partial, const floatX* dout, const float
     float* sums = reinterpret_cast<float*>(slices);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float* mine = sums + warp * SLICE;
-    for (int j = lane * 4; j < SLICE; j += 128) *reinterpret_cast<float4*>(mine + j) = make_float4(0, 0, 0, 0);
+    for (int j = lane * 4; j < SLICE; j += 128)   // the lane's own positions (sum_at)
+        *reinterpret_cast<float4*>(mine + j) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int row = blockIdx.x * WARPS + warp; row < N; row += gridDim.x * WARPS) {
         const long long offset = (long long)row * C;
         Pack px[LANE_PACKS], pd[LANE_PACKS], pdx[LANE_PACKS];
