@@ -16,6 +16,7 @@ import cupy
 import cupyx
 
 from llm.launch import local_ranks
+from . import BackendError
 from .attention import FlashAttention, HopperFlashAttention, NaiveAttention
 from .cuda import BF16, BLOCK, FP32, Blas, BlasLt, Kernels, Scratch, blocks, check_int32, check_packs
 from .graphs import Graph, GraphCache
@@ -210,6 +211,10 @@ class CupyBackend:
         pack = 16 // dinp.dtype.itemsize
         slice_bytes = sums * blocks(C // pack, 32) * 32 * pack * 4   # a warp's sums, laid out as the kernel's
         warps = min(self.LN_WARPS, self.shared_per_block // slice_bytes)
+        if warps == 0:
+            raise BackendError(f"the cupy backend's layernorm backward needs {slice_bytes:,} bytes of shared "
+                               f"memory a warp at C = {C}, more than this GPU gives a block "
+                               f"({self.shared_per_block:,}): use a narrower model or --backend numpy")
         grid = min(blocks(N, warps), self.num_sms)
         partial = self._buffer(f"ln_partial{sums}", (grid, sums * C), FP32)
         kernel = self._kernel("layernorm", "layernorm_backward", CHANNELS=C, WARPS=warps, SUMS=sums)
