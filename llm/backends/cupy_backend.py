@@ -208,8 +208,10 @@ class CupyBackend:
         N = inp.size // C
         check_packs((dinp, dout, inp, w), C=C)
         sums = 2 if dbias_below is None else 3
-        pack = 16 // dinp.dtype.itemsize
-        slice_bytes = sums * blocks(C // pack, 32) * 32 * pack * 4   # a warp's sums, laid out as the kernel's
+        # a warp's sums take the shared memory the kernel's layout says (read from the module with the most
+        # warps, which is the one launched when they fit)
+        slice_bytes = self.kernels.value("layernorm", "layernorm_backward_slice_bytes", self.dtype,
+                                         CHANNELS=C, WARPS=self.LN_WARPS, SUMS=sums)
         warps = min(self.LN_WARPS, self.shared_per_block // slice_bytes)
         if warps == 0:
             raise BackendError(f"the cupy backend's layernorm backward needs {slice_bytes:,} bytes of shared "
