@@ -43,9 +43,10 @@ its dinp is the residual stream's gradient, which already holds the skip connect
   matmul_forward(out, inp, w, bias)              out(B,T,OC) = inp(B,T,C) @ w(OC,C)^T + bias(OC)
                                                  (bias may be None)
   matmul_backward(dinp, dw, dbias, dout, inp, w) dinp = dout @ w;  dw += dout^T @ inp;  dbias += sum dout.
-                                                 Returns `done`: dw may still be being computed (cupy: on a
-                                                 stream of its own, beside the ops queued after it), and
-                                                 done names it for wait(); None when it is already made
+                                                 Returns `done`: dw may still be being computed (cupy: a
+                                                 small one on a stream of its own, beside the ops queued
+                                                 after it), and done names it for wait(); None when it is
+                                                 already made
   wait(done)                                     the ops queued after this wait for the weight gradient
                                                  `done` names, and for those queued before it (None: no-op).
                                                  Before an op overwrites the dout or inp of a weight

@@ -276,16 +276,23 @@ class CupyBackend:
         return self._weight_gradient(dw, dout, inp)
 
     def _weight_gradient(self, dw, dout, inp):
-        # dw^T += inp^T dout, on the weight gradients' stream once the work queued so far is done: the
-        # returned event marks its end, for wait()
+        # dw^T += inp^T dout. One with fewer 128 x 256 output tiles than the GPU has SMs leaves SMs idle: it
+        # runs on the weight gradients' stream, beside the ops queued after it, once the work queued so far
+        # is done. A larger one fills the GPU alone, and beside the next ops it would only contend with them
+        # (docs/results.md): it runs in place. Either way the returned event, recorded on that stream, marks
+        # the end of this one and of every one queued before it, for wait().
         OC, C = dw.shape
         N = inp.size // C
+        beside = dw.size < self.num_sms * 128 * 256
+        if not beside:
+            self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)
         queued, done = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
         queued.record()
         self.beside.wait_event(queued)
         with self.beside:
-            self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0,
-                           workspace=self.beside_workspace)
+            if beside:
+                self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0,
+                               workspace=self.beside_workspace)
             done.record()
         return done
 
