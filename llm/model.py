@@ -206,34 +206,46 @@ class GPT2:
     def _backward(self, a, dloss):
         cfg, be, p, g = self.config, self.backend, self.params, self.grads
         L, NH = cfg.num_layers, cfg.num_heads
+        # Each matmul_backward returns while its weight gradient may still run (on the GPU, beside the ops
+        # after it): nothing else waits for a weight gradient, so the GPU can fill its idle units with one.
+        # The weight gradients run in the order they were queued, and be.wait(done) makes the ops after it
+        # wait for that one and those before it. Waits stand where an op overwrites what a queued one reads.
         be.fused_classifier(a.logits, a.losses, a.targets, cfg.vocab_size, dloss)
-        be.matmul_backward(a.dln, g.wte, None, a.logits, a.lnf, p.wte)   # logits holds dlogits now
+        lm_head = be.matmul_backward(a.dln, g.wte, None, a.logits, a.lnf, p.wte)   # logits holds dlogits now
         a.dresidual.fill(0)
         # Each layernorm backward also sums the residual stream's gradient it leaves, which is the gradient at
         # the output of the projection that added into the stream just below it: that projection's bias
         # gradient (lnf's and ln1's: the fcproj below; ln2's: attproj).
         be.layernorm_backward(a.dresidual, g.lnfw, g.lnfb, a.dln, a.residual3[L - 1], p.lnfw,
                               a.lnf_mean, a.lnf_rstd, g.fcprojb[L - 1])
+        be.wait(lm_head)   # the layers' scratch (dfch, ...) lies where dlogits does
+        qkv = None
         for l in reversed(range(L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             ln1, ln2, fch_gelu = a.ln1_of(l), a.ln2_of(l), a.fch_gelu_of(l)
             # dresidual = dloss/d residual3[l]: flows to fcproj's output and, unchanged, to residual2.
             # Back through fcproj and the GELU: dfch, and with it fc's bias gradient (dfch's column sums);
             # with recompute the GELU's output, which fcproj's weight gradient needs, is made again first
-            be.matmul_gelu_backward(a.dfch, g.fcprojw[l], None, a.dresidual, fch_gelu, p.fcprojw[l],
-                                    a.fch[l], g.fcb[l], recompute=self.recompute >= 1)
+            fcproj = be.matmul_gelu_backward(a.dfch, g.fcprojw[l], None, a.dresidual, fch_gelu, p.fcprojw[l],
+                                             a.fch[l], g.fcb[l], recompute=self.recompute >= 1)
             if self.recompute >= 2:
+                be.wait(qkv)   # the layer above's qkv weight gradient reads ln, made again here
                 be.layernorm_forward(ln2, a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l], p.ln2w[l], p.ln2b[l])
-            be.matmul_backward(a.dln, g.fcw[l], None, a.dfch, ln2, p.fcw[l])   # fc's bias: done above
+            fc = be.matmul_backward(a.dln, g.fcw[l], None, a.dfch, ln2, p.fcw[l])   # fc's bias: done above
+            be.wait(fcproj)   # it reads dresidual, which the layernorm backward adds into
             be.layernorm_backward(a.dresidual, g.ln2w[l], g.ln2b[l], a.dln, a.residual2[l], p.ln2w[l],
                                   a.ln2_mean[l], a.ln2_rstd[l], g.attprojb[l])
             # dresidual = dloss/d residual2[l]: flows to attproj's output and, unchanged, to residual
-            be.matmul_backward(a.datty, g.attprojw[l], None, a.dresidual, a.atty[l], p.attprojw[l])
-            # back through attention: dqkv, and with it qkv's bias gradient (dqkv's column sums)
+            attproj = be.matmul_backward(a.datty, g.attprojw[l], None, a.dresidual, a.atty[l], p.attprojw[l])
+            # back through attention: dqkv, and with it qkv's bias gradient (dqkv's column sums); the layer
+            # above's qkv weight gradient, which reads dqkv, was queued before fcproj's, waited for above
             be.attention_backward(a.dqkv, g.qkvb[l], a.datty, a.qkv[l], a.atty[l], a.att[l], NH)
             if self.recompute >= 2:
+                be.wait(fc)   # it reads ln2 from ln, which ln1 takes now
                 be.layernorm_forward(ln1, a.ln1_mean[l], a.ln1_rstd[l], residual, p.ln1w[l], p.ln1b[l])
-            be.matmul_backward(a.dln, g.qkvw[l], None, a.dqkv, ln1, p.qkvw[l])   # qkv's bias: done above
+            qkv = be.matmul_backward(a.dln, g.qkvw[l], None, a.dqkv, ln1, p.qkvw[l])   # qkv's bias: above
+            be.wait(attproj)   # it reads dresidual (and fc's, queued before it, dfch: the next fcproj's)
             be.layernorm_backward(a.dresidual, g.ln1w[l], g.ln1b[l], a.dln, residual, p.ln1w[l],
                                   a.ln1_mean[l], a.ln1_rstd[l], g.fcprojb[l - 1] if l > 0 else None)
+        be.wait(qkv)   # the last one queued: every weight gradient is done
         be.encoder_backward(g.wte, g.wpe, a.dresidual, a.inputs)

@@ -8,8 +8,10 @@ from llm.backends.graphs import GraphCache
 from llm.config import GPT2Config
 from llm.layout import PARAM_NAMES, ParamViews
 from llm.model import GPT2
+from llm.backends.numpy_backend import NumpyBackend
 from llm.weight_init import init_params
 from reference import gpt2 as ref
+from reference.matmul import matmul_backward as ref_matmul_backward
 
 CONFIG = GPT2Config.from_descriptor("d2c64h4")
 B, T = 2, 16
@@ -60,6 +62,45 @@ def test_recompute_gives_the_same_losses_and_gradients_bit_for_bit(batch, recomp
     assert again.activations(B, T).nbytes < kept.activations(B, T).nbytes
     assert kept.activations(B, T).fch_gelu is not None and again.activations(B, T).fch_gelu is None
     assert (again.activations(B, T).ln1 is None) == (recompute == 2)
+
+
+class LateWeightGradients(NumpyBackend):
+    """The NumPy backend with each weight gradient made as late as the model lets it: when the model waits
+    for it or for one queued after it (the GPU's weight gradients run in the order they were queued)."""
+
+    def __init__(self):
+        super().__init__()
+        self.queued = []   # (done, work) in the order queued
+
+    def matmul_backward(self, dinp, dw, dbias, dout, inp, w):
+        super().matmul_backward(dinp, np.zeros_like(dw), dbias, dout, inp, w)   # dinp and dbias now
+
+        def weight_gradient():   # reads dout and inp as they are when it runs
+            dw[...] += ref_matmul_backward(dout, inp, w, has_bias=False)[1]
+        done = object()
+        self.queued.append((done, weight_gradient))
+        return done
+
+    def wait(self, done):
+        if any(queued is done for queued, _ in self.queued):
+            while True:
+                queued, work = self.queued.pop(0)
+                work()
+                if queued is done:
+                    return
+
+
+@pytest.mark.parametrize("recompute", [0, 1, 2])
+def test_weight_gradients_made_as_late_as_the_waits_allow_equal_those_made_at_once(batch, recompute):
+    """The model waits for each weight gradient before it overwrites what that gradient reads (on the GPU
+    they run beside the ops after them): made at its wait instead, each reads the same numbers."""
+    at_once, late = model(recompute), GPT2(CONFIG, LateWeightGradients(), recompute=recompute)
+    late.load_params(init_params(CONFIG))
+    for _ in range(2):
+        want, got = train_micro_step(at_once, batch), train_micro_step(late, batch)
+        assert late.backend.queued == []   # the backward waits for the last one
+        for w, g in zip(want, got):
+            assert np.array_equal(w, g)
 
 
 def test_validate_gives_the_training_losses_without_touching_the_gradients(batch):

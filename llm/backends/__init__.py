@@ -42,14 +42,23 @@ its dinp is the residual stream's gradient, which already holds the skip connect
                                                  projection that added into the residual stream below
   matmul_forward(out, inp, w, bias)              out(B,T,OC) = inp(B,T,C) @ w(OC,C)^T + bias(OC)
                                                  (bias may be None)
-  matmul_backward(dinp, dw, dbias, dout, inp, w) dinp = dout @ w;  dw += dout^T @ inp;  dbias += sum dout
+  matmul_backward(dinp, dw, dbias, dout, inp, w) dinp = dout @ w;  dw += dout^T @ inp;  dbias += sum dout.
+                                                 Returns `done`: dw may still be being computed (cupy: a
+                                                 small one on a stream of its own, beside the ops queued
+                                                 after it), and done names it for wait(); None when it is
+                                                 already made
+  wait(done)                                     the ops queued after this wait for the weight gradient
+                                                 `done` names, and for those queued before it (None: no-op).
+                                                 Before an op overwrites the dout or inp of a weight
+                                                 gradient that may still run, the caller waits for it
   matmul_gelu_forward(out, gelu_out, inp, w, bias)   matmul_forward, then gelu_out = gelu(out)
                                                  (one fused GEMM)
   matmul_gelu_backward(dinp, dw, dbias, dout, inp, w, pre_gelu, dbias_prev, recompute)
                                                  the matmul after a GELU, inp = gelu(pre_gelu): first, when
                                                  recompute, inp = gelu(pre_gelu) is written; then
                                                  matmul_backward, dinp *= gelu'(pre_gelu), and dbias_prev +=
-                                                 sum dinp (the bias gradient of the matmul that made pre_gelu)
+                                                 sum dinp (the bias gradient of the matmul that made
+                                                 pre_gelu); returns matmul_backward's `done`
   attention_saved_shape(B, T, NH)                (shape, dtype) of what attention keeps for backward: the
                                                  probabilities (B,NH,T,T), or flash attention's lse (B,NH,T)
   attention_forward(out, saved, qkv, NH)         qkv (B,T,3C) -> out (B,T,C), causal; saved: the kept buffer

@@ -336,7 +336,7 @@ class BlasLt:
             self.plans[key] = [desc, layouts, list(results[:found.value]), None]   # None: not chosen yet
         return self.plans[key]
 
-    def _choose(self, key, plan, A, B, D, beta):
+    def _choose(self, key, plan, A, B, D, beta, workspace):
         """The fastest candidate algorithm of a plan, on this call's operands: after a warm-up run of each,
         TIMED_ROUNDS rounds run every candidate once, each between CUDA events, and the lowest median wins.
         Round by round rather than candidate by candidate, so that a clock still ramping up or a warming
@@ -351,7 +351,7 @@ class BlasLt:
             for r in range(1 + self.TIMED_ROUNDS):
                 for algo, runs in zip(candidates, times):
                     start.record()
-                    self._run(desc, layouts, algo, A, B, out, 0.0)
+                    self._run(desc, layouts, algo, A, B, out, 0.0, workspace)
                     end.record()
                     end.synchronize()
                     if r:
@@ -369,9 +369,11 @@ class BlasLt:
                 "gelu_aux_bias": (self.BIAS_POINTER, self.AUX_POINTER)}[epilogue]
 
     def matmul(self, transa, transb, m, n, k, A, lda, B, ldb, D, ldc, beta=0.0, epilogue="none", bias=None,
-               aux=None, aux_ld=0):
+               aux=None, aux_ld=0, workspace=None):
         """D = op(A) op(B) + beta D, then the epilogue: "bias" adds bias (m), "gelu_aux_bias" adds bias,
-        writes the sum to aux and its GELU to D."""
+        writes the sum to aux and its GELU to D. workspace: WORKSPACE bytes of device memory that no GEMM
+        running at the same time uses (default: the handle's own)."""
+        workspace = self.workspace if workspace is None else workspace
         pointers = [x for x in (bias, aux) if x is not None]
         alignments = tuple(min(256, x.data.ptr & -x.data.ptr) for x in (A, B, D, *pointers))
         key = (transa, transb, m, n, k, lda, ldb, ldc, A.dtype, B.dtype, D.dtype, epilogue, aux_ld,
@@ -381,10 +383,10 @@ class BlasLt:
         for attribute, array in zip(self._pointers(epilogue), pointers):
             self._set(desc, attribute, ctypes.c_void_p(array.data.ptr))
         if plan[3] is None:
-            plan[3] = self._choose(key, plan, A, B, D, beta)
-        self._run(desc, layouts, plan[3], A, B, D, beta)
+            plan[3] = self._choose(key, plan, A, B, D, beta, workspace)
+        self._run(desc, layouts, plan[3], A, B, D, beta, workspace)
 
-    def _run(self, desc, layouts, algo, A, B, D, beta):
+    def _run(self, desc, layouts, algo, A, B, D, beta, workspace):
         a_layout, b_layout, d_layout = layouts
         self._check(self.lib.cublasLtMatmul(
             self.handle, desc, self.scalars[1.0].ctypes.data_as(ctypes.c_void_p),
@@ -392,5 +394,5 @@ class BlasLt:
             self.scalars[beta].ctypes.data_as(ctypes.c_void_p),
             ctypes.c_void_p(D.data.ptr), d_layout, ctypes.c_void_p(D.data.ptr), d_layout,
             ctypes.byref(algo.algo),
-            ctypes.c_void_p(self.workspace.data.ptr), ctypes.c_size_t(self.WORKSPACE),
+            ctypes.c_void_p(workspace.data.ptr), ctypes.c_size_t(self.WORKSPACE),
             ctypes.c_void_p(cupy.cuda.get_current_stream().ptr)), "cublasLtMatmul")

@@ -39,6 +39,10 @@ class CupyBackend:
         self.shared_per_block = device.attributes["MaxSharedMemoryPerBlockOptin"]
         self.kernels, self.scratch = Kernels(), Scratch()
         self.blas, self.lt = Blas(allow_tf32), BlasLt(allow_tf32)
+        # The weight gradients' stream, and its own cuBLASLt workspace (matmul_backward). A blocking stream:
+        # outside a CUDA graph, the default stream and it wait for each other, so the ops run one after
+        # another; a graph records the model's waits alone, and the GPU runs the rest side by side.
+        self.beside, self.beside_workspace = cupy.cuda.Stream(), cupy.empty(BlasLt.WORKSPACE, cupy.uint8)
         if precision == "fp32":   # the checking precision: exact attention
             self.attention = NaiveAttention(self.kernels, self.scratch, self.blas, self.dtype)
         elif attention == "cudnn":
@@ -208,8 +212,10 @@ class CupyBackend:
         N = inp.size // C
         check_packs((dinp, dout, inp, w), C=C)
         sums = 2 if dbias_below is None else 3
-        pack = 16 // dinp.dtype.itemsize
-        slice_bytes = sums * blocks(C // pack, 32) * 32 * pack * 4   # a warp's sums, laid out as the kernel's
+        # a warp's sums take the shared memory the kernel's layout says (read from the module with the most
+        # warps, which is the one launched when they fit)
+        slice_bytes = self.kernels.value("layernorm", "layernorm_backward_slice_bytes", self.dtype,
+                                         CHANNELS=C, WARPS=self.LN_WARPS, SUMS=sums)
         warps = min(self.LN_WARPS, self.shared_per_block // slice_bytes)
         if warps == 0:
             raise BackendError(f"the cupy backend's layernorm backward needs {slice_bytes:,} bytes of shared "
@@ -248,12 +254,13 @@ class CupyBackend:
                        aux=out, aux_ld=OC)
 
     def matmul_backward(self, dinp, dw, dbias, dout, inp, w):
-        # dinp = dout @ w (overwritten), dw += dout^T @ inp, dbias += column sums of dout
+        # dinp = dout @ w (overwritten), dw += dout^T @ inp, dbias += column sums of dout; dw on the
+        # weight gradients' stream, whose event it returns
         OC, C = w.shape
         N = inp.size // C
         self.lt.matmul("N", "N", C, N, OC, w, C, dout, OC, dinp, C)       # dinp^T = w^T dout^T
         self._bias_gradient(dbias, dout)
-        self._weight_gradient(dw, dout, inp)
+        return self._weight_gradient(dw, dout, inp)
 
     def matmul_gelu_backward(self, dinp, dw, dbias, dout, inp, w, pre_gelu, dbias_prev, recompute):
         # the layer after a GELU (fcproj): dinp = gelu'(pre_gelu) * (dout @ w). One pass of
@@ -266,13 +273,33 @@ class CupyBackend:
         self.lt.matmul("N", "N", C, N, OC, w, C, dout, OC, dinp, C)
         self._bias_gradient(dbias_prev, dinp, pre_gelu, inp if recompute else None)
         self._bias_gradient(dbias, dout)
-        self._weight_gradient(dw, dout, inp)
+        return self._weight_gradient(dw, dout, inp)
 
     def _weight_gradient(self, dw, dout, inp):
-        # dw^T += inp^T dout
+        # dw^T += inp^T dout. One with fewer 128 x 256 output tiles than the GPU has SMs leaves SMs idle: it
+        # runs on the weight gradients' stream, beside the ops queued after it, once the work queued so far
+        # is done. A larger one fills the GPU alone, and beside the next ops it would only contend with them
+        # (docs/results.md): it runs in place. Either way the returned event, recorded on that stream, marks
+        # the end of this one and of every one queued before it, for wait().
         OC, C = dw.shape
         N = inp.size // C
-        self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)
+        beside = dw.size < self.num_sms * 128 * 256
+        if not beside:
+            self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0)
+        queued, done = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
+        queued.record()
+        self.beside.wait_event(queued)
+        with self.beside:
+            if beside:
+                self.lt.matmul("N", "T", C, OC, N, inp, C, dout, OC, dw, C, beta=1.0,
+                               workspace=self.beside_workspace)
+            done.record()
+        return done
+
+    def wait(self, done):
+        """The work queued after this waits for the weight gradient whose event matmul_backward returned."""
+        if done is not None:
+            cupy.cuda.get_current_stream().wait_event(done)
 
     def _bias_gradient(self, dbias, dout, pre_gelu=None, gelu_out=None):
         # dbias += dout's column sums (dout a gradient, or fp32 partial sums), by our own kernel (matmul.cu),

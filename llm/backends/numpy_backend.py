@@ -159,6 +159,9 @@ class NumpyBackend:
     def matmul_forward(self, out, inp, w, bias):
         out[...] = ref.matmul_forward(inp, w, bias)
 
+    def wait(self, done):   # every op has finished when it returns
+        pass
+
     def matmul_backward(self, dinp, dw, dbias, dout, inp, w):
         dinp[...], dw_, dbias_ = ref.matmul_backward(dout, inp, w, has_bias=dbias is not None)
         dw += dw_
@@ -172,10 +175,11 @@ class NumpyBackend:
     def matmul_gelu_backward(self, dinp, dw, dbias, dout, inp, w, pre_gelu, dbias_prev, recompute):
         if recompute:
             self.gelu_forward(inp, pre_gelu)
-        self.matmul_backward(dinp, dw, dbias, dout, inp, w)
+        done = self.matmul_backward(dinp, dw, dbias, dout, inp, w)
         dinp[...] = ref.gelu_backward(dinp, pre_gelu)
         if dbias_prev is not None:
             dbias_prev += column_sums(dinp)
+        return done
 
     def attention_saved_shape(self, B, T, NH):
         return (B, NH, T, T), np.float32     # the softmax probabilities att

@@ -89,6 +89,7 @@ extern "C" __global__ void layernorm_forward(floatX* residual, floatX* out, floa
 // than by a pass of their own.
 constexpr int QUADS = PACK / 4;                        // float4s of one sum a pack has
 constexpr int SLICE = SUMS * LANE_PACKS * PACK * 32;   // floats of one warp's sums
+extern "C" __device__ int layernorm_backward_slice_bytes = SLICE * sizeof(float);   // read by the launcher
 
 // Where lane `lane` keeps quad q of its pack k of sum s in its warp's slice: lanes 16 bytes apart, so that a
 // warp's float4 access is 512 contiguous bytes, without bank conflicts.
