@@ -254,8 +254,8 @@ class CupyBackend:
                        aux=out, aux_ld=OC)
 
     def matmul_backward(self, dinp, dw, dbias, dout, inp, w):
-        # dinp = dout @ w (overwritten), dw += dout^T @ inp, dbias += column sums of dout; dw on the
-        # weight gradients' stream, whose event it returns
+        # dinp = dout @ w (overwritten), dw += dout^T @ inp, dbias += column sums of dout; returns the
+        # weight gradient's event (_weight_gradient), for wait()
         OC, C = w.shape
         N = inp.size // C
         self.lt.matmul("N", "N", C, N, OC, w, C, dout, OC, dinp, C)       # dinp^T = w^T dout^T
