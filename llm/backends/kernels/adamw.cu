@@ -46,8 +46,8 @@ __device__ __forceinline__ void store_quad(floatX* p, const Quad& x, int aligned
 }
 
 extern "C" __global__ void adamw(floatX* param, const floatX* grad, float* m, float* v, float* master,
-                                 long long n, int lead, int quads, float lr, float beta1, float beta2, float c1,
-                                 float c2, float eps, float weight_decay, const float* grad_scale) {
+                                 long long n, int lead, int quads, float lr, float beta1, float beta2,
+                                 float c1, float c2, float eps, float weight_decay, const float* grad_scale) {
     const Hyper h = {lr, beta1, beta2, c1, c2, eps, weight_decay, *grad_scale};
     const long long first = 4 * ((long long)blockIdx.x * blockDim.x + threadIdx.x) - lead;
     if (first >= n || isnan(h.scale)) return;

@@ -14,8 +14,15 @@
 // gradient of the layer that made pre_gelu (fc). With gelu_out given as well, gelu_out = GELU(pre_gelu)
 // from the same read: -r 1's recompute, which fcproj's weight gradient needs next. One pass over the
 // MLP's widest tensors does all three.
-extern "C" __global__ void bias_backward_partial(float* partial, floatX* dout, int N, int OC,
-                                                 const floatX* pre_gelu, floatX* gelu_out) {
+//
+// The launcher makes gridDim.y as large as one wave of blocks allows, BLOCKS_PER_SM an SM (which the launch
+// bounds make fit), and no larger: every block then runs from the start, none is left over for a second,
+// nearly empty wave.
+#ifndef BLOCKS_PER_SM
+#define BLOCKS_PER_SM 4
+#endif
+extern "C" __global__ void __launch_bounds__(256, BLOCKS_PER_SM)
+bias_backward_partial(float* partial, floatX* dout, int N, int OC, const floatX* pre_gelu, floatX* gelu_out) {
     __shared__ float sums[8][PACK][32];
     const int c = (blockIdx.x * 32 + threadIdx.x) * PACK;
     float acc[PACK] = {};

@@ -4,14 +4,19 @@
 //   sumsq_partial/final   sum of x^2 in float over a 1-D array: the squared global gradient norm
 #include "common.cuh"
 
-// out[j] += sum over k < rows of partial[k * stride + j], for j < n, adding the rows in order.
-// One thread per output element; consecutive threads read consecutive floats of each row.
-extern "C" __global__ void add_partial_sums(floatX* out, const float* partial, int rows, int stride, int n) {
+// The partial sums of `count` outputs side by side, each n long: partial (rows, count * n). For
+// j < count * n, output j / n gets, at j % n, the sum over k < rows of partial[k * count * n + j], the rows
+// added in order.
+// One thread per output element (one launch for all of a layernorm's sums); consecutive threads read
+// consecutive floats of each row.
+extern "C" __global__ void add_partial_sums(floatX* out0, floatX* out1, floatX* out2, const float* partial,
+                                            int rows, int n, int count) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= n) return;
+    if (j >= count * n) return;
+    floatX* out = j < n ? out0 : j < 2 * n ? out1 : out2;
     float acc = 0.0f;
-    for (int k = 0; k < rows; k++) acc += partial[(long long)k * stride + j];
-    out[j] = floatX((float)out[j] + acc);
+    for (int k = 0; k < rows; k++) acc += partial[(long long)k * count * n + j];
+    out[j % n] = floatX((float)out[j % n] + acc);
 }
 
 // sumsq, stage 1: gridDim.x blocks stride over x, thread i taking packs i, i + gridDim.x * blockDim.x, ...
