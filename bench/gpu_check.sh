@@ -4,7 +4,8 @@
 # Usage: bash bench/gpu_check.sh [stage ...]
 # stages: env attn ops test opsbench gemms table kernels ab bench small torch d48 d48max zero train mpi ckpt hf
 # (default: env ops test table). ab compares this tree with the one in $BASELINE (say, `git archive
-# COMMIT | tar -x -C DIR`), d12 B=64 steps in a row, alternating, with each one's per-op table.
+# COMMIT | tar -x -C DIR`), steps in a row, alternating, with each one's per-op table: d12 B=64, 20 steps,
+# unless AB_ARGS says otherwise (AB_ARGS="--model d48 -b 16 --steps 6").
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache} \
@@ -90,7 +91,7 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     for round in 1 2; do
       for side in after before; do
         dir=.; [ $side = before ] && dir=$BASELINE
-        (cd "$dir" && timeout 200 python3 -m bench.step --backend cupy --steps 20 2>&1) \
+        (cd "$dir" && timeout 300 python3 -m bench.step --backend cupy ${AB_ARGS:---steps 20} 2>&1) \
           > "$OUT/ab_${side}_$round.log"
         echo "$side, round $round: $(grep -E 'in a row' "$OUT/ab_${side}_$round.log")"
         grep -E 'SM clock' "$OUT/ab_${side}_$round.log" | sed 's/^/  /'   # the clock moves at the power cap
