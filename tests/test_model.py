@@ -5,10 +5,10 @@ import pytest
 
 from llm.backends import get_backend
 from llm.backends.graphs import GraphCache
+from llm.backends.numpy_backend import NumpyBackend
 from llm.config import GPT2Config
 from llm.layout import PARAM_NAMES, ParamViews
 from llm.model import GPT2
-from llm.backends.numpy_backend import NumpyBackend
 from llm.weight_init import init_params
 from reference import gpt2 as ref
 from reference.matmul import matmul_backward as ref_matmul_backward
