@@ -33,7 +33,7 @@
 #define STAGES 3           // tile buffers in the ring between the producer and the consumers
 #endif
 #ifndef FORWARD_TILE
-#define FORWARD_TILE 128   // keys per tile in the forward
+#define FORWARD_TILE 64    // keys per tile in the forward
 #endif
 #ifndef BACKWARD_TILE
 #define BACKWARD_TILE 64   // keys (dQ) or queries (dK, dV) per tile in the backward
@@ -83,10 +83,10 @@ __device__ __forceinline__ void tma_load(bf16* tile, const TensorMap* map, int c
 // setmaxnreg: the producer warpgroup gives registers up, keeping PRODUCER each, and the consumers take them.
 // The pool is what the block got at launch, 65,536 / THREADS each rounded down to 8 (168 with two consumer
 // warpgroups): a consumer's share beyond it would wait forever. Each kernel names its PRODUCER once:
-// 24 in the forward, whose producer is one thread issuing copies (its consumers get 240 instead of 232:
-// 0.372 against 0.389 and 0.384 ms a layer on an H200, near the noise on an H100); 32 in the backward's, so
-// that the dK, dV kernel's three consumer warpgroups get 160 (its producer warp, which also loads lse and D,
-// spills 20 bytes at 32 and 52 at 24; dQ's two get 232 either way).
+// 24 in the forward, whose producer is one thread issuing copies (with two consumer warpgroups they got 240
+// instead of 232, 0.372 against 0.389 ms a layer on an H200; its three get 160 either way); 32 in the
+// backward's, so that the dK, dV kernel's three consumer warpgroups get 160 (its producer warp, which also
+// loads lse and D, spills 20 bytes at 32 and 52 at 24; dQ's two get 232 either way).
 constexpr int LAUNCH_REGISTERS = 65536 / THREADS / 8 * 8;
 constexpr int FORWARD_PRODUCER = 24, BACKWARD_PRODUCER = 32;
 template <int PRODUCER>
@@ -279,7 +279,12 @@ __device__ __forceinline__ Item work_item(int it, int heads, int NH, int row_til
 // flash_attention.cu does, with S = Q K^T and O += P V each a few wgmma instructions, and one step out of
 // phase: S_j goes to the tensor cores before P_{j-1} V_{j-1}, so that the softmax of S_j (exponentials, on
 // the special-function units) runs while the tensor cores still work on P V. A tile past a warpgroup's
-// diagonal is only waited for and released, so that the producer's ring keeps turning.
+// diagonal is only waited for and released, so that the producer's ring keeps turning. The launcher gives
+// the forward three consumer warpgroups and key tiles of 64: 192 rows share each tile of K and V, and a
+// consumer's S, P and O fit its 160 registers (with tiles of 128 they spill). When T is not a multiple of
+// 192, a head's last item has warpgroups whose rows all lie past T: they skip the products, so that the
+// block's other warpgroups have the tensor cores to themselves (before they did, three consumers were
+// slower than two).
 struct ForwardSmem {
     bf16 q[ROWS * HS], k[STAGES][FORWARD_TILE * HS], v[STAGES][FORWARD_TILE * HS];
     unsigned long long held_full, held_empty, full[STAGES], empty[STAGES];
@@ -330,7 +335,9 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
         const Item w = work_item(it, heads, NH, row_tiles, true);
         const int tiles = min(w.row0 + ROWS - 1, T - 1) / FORWARD_TILE + 1;   // up to the item's diagonal
         const int first_row = w.row0 + 64 * c, row0 = first_row + 16 * warp;
-        const int my_tiles = min(tiles, (first_row + 63) / FORWARD_TILE + 1);   // to this warpgroup's
+        // up to this warpgroup's diagonal; none for a warpgroup whose rows all lie past T (the last item of a
+        // head when T is not a multiple of ROWS), which only turns the ring
+        const int my_tiles = first_row < T ? min(tiles, (first_row + 63) / FORWARD_TILE + 1) : 0;
         mbar_wait(&sm.held_full, n & 1);
         unsigned qf[HS / 16][4];
         load_rows(qf, sm.q, 64 * c + 16 * warp);
@@ -338,42 +345,45 @@ flash_forward(bf16* out, float* lse, const __grid_constant__ TensorMap qkv_map, 
 
         float o[HS / 8][4] = {}, m[2] = {-INF, -INF}, l[2] = {0.0f, 0.0f}, s[FORWARD_TILE / 8][4], rescale[2];
         unsigned p[FORWARD_TILE / 16][4];   // P_{j-1}, rounded to bf16 fragments
-        mbar_wait(&sm.full[g % STAGES], (g / STAGES) & 1);          // S_0 alone
-        wgmma_fence();
-        rows_times_tile_t<FORWARD_TILE>(s, qf, sm.k[g % STAGES]);
-        wgmma_commit();
-        wgmma_wait();
-        settle<FORWARD_TILE>(s);
-        softmax_step<FORWARD_TILE>(s, m, l, rescale, row0, 0, scale_log2);
-        to_fragments<FORWARD_TILE>(p, s);
-        for (int j = 1; j < my_tiles; j++) {
-            const int ring = g + j;
-            mbar_wait(&sm.full[ring % STAGES], (ring / STAGES) & 1);
+        if (my_tiles > 0) {
+            mbar_wait(&sm.full[g % STAGES], (g / STAGES) & 1);          // S_0 alone
             wgmma_fence();
-            rows_times_tile_t<FORWARD_TILE>(s, qf, sm.k[ring % STAGES]);            // S_j = Q K_j^T
+            rows_times_tile_t<FORWARD_TILE>(s, qf, sm.k[g % STAGES]);
             wgmma_commit();
-            fragments_times_tile<FORWARD_TILE>(o, p, sm.v[(ring - 1) % STAGES]);   // O += P_{j-1} V_{j-1}
-            wgmma_commit();
-            wgmma_wait<1>();   // S_j is done; its softmax runs while P V still does
+            wgmma_wait();
             settle<FORWARD_TILE>(s);
-            softmax_step<FORWARD_TILE>(s, m, l, rescale, row0, j * FORWARD_TILE, scale_log2);
+            softmax_step<FORWARD_TILE>(s, m, l, rescale, row0, 0, scale_log2);
+            to_fragments<FORWARD_TILE>(p, s);
+            for (int j = 1; j < my_tiles; j++) {
+                const int ring = g + j;
+                mbar_wait(&sm.full[ring % STAGES], (ring / STAGES) & 1);
+                wgmma_fence();
+                rows_times_tile_t<FORWARD_TILE>(s, qf, sm.k[ring % STAGES]);            // S_j = Q K_j^T
+                wgmma_commit();
+                fragments_times_tile<FORWARD_TILE>(o, p, sm.v[(ring - 1) % STAGES]);   // O += P_{j-1} V_{j-1}
+                wgmma_commit();
+                wgmma_wait<1>();   // S_j is done; its softmax runs while P V still does
+                settle<FORWARD_TILE>(s);
+                softmax_step<FORWARD_TILE>(s, m, l, rescale, row0, j * FORWARD_TILE, scale_log2);
+                wgmma_wait();
+                settle<HS>(o);
+                release(sm.empty, ring - 1);
+                rescale_rows(o, rescale);   // O to S_j's max, now that P V no longer writes it
+                to_fragments<FORWARD_TILE>(p, s);
+            }
+            wgmma_fence();
+            fragments_times_tile<FORWARD_TILE>(o, p, sm.v[(g + my_tiles - 1) % STAGES]);
+            wgmma_commit();
             wgmma_wait();
             settle<HS>(o);
-            release(sm.empty, ring - 1);
-            rescale_rows(o, rescale);   // O to S_j's max, now that P V no longer writes it
-            to_fragments<FORWARD_TILE>(p, s);
+            release(sm.empty, g + my_tiles - 1);
         }
-        wgmma_fence();
-        fragments_times_tile<FORWARD_TILE>(o, p, sm.v[(g + my_tiles - 1) % STAGES]);
-        wgmma_commit();
-        wgmma_wait();
-        settle<HS>(o);
-        release(sm.empty, g + my_tiles - 1);
         for (int j = my_tiles; j < tiles; j++) {   // past the diagonal: let the producer reuse the stage
             mbar_wait(&sm.full[(g + j) % STAGES], ((g + j) / STAGES) & 1);
             release(sm.empty, g + j);
         }
         g += tiles;
+        if (my_tiles == 0) continue;
         float inv_l[2];
         finish_softmax(lse + (long long)w.bh * T, row0, T, m, l, inv_l);
         store_rows(out + (long long)w.b * T * C + w.h * HS, C, row0, T, o, inv_l);
