@@ -283,8 +283,8 @@ __device__ __forceinline__ Item work_item(int it, int heads, int NH, int row_til
 // the forward three consumer warpgroups and key tiles of 64: 192 rows share each tile of K and V, and a
 // consumer's S, P and O fit its 160 registers (with tiles of 128 they spill). When T is not a multiple of
 // 192, a head's last item has warpgroups whose rows all lie past T: they skip the products, so that the
-// block's other warpgroups have the tensor cores to themselves (before they did, three consumers were
-// slower than two).
+// block's other warpgroups have the tensor cores to themselves (while they ran them on rows of zeros, three
+// consumers were slower than two).
 struct ForwardSmem {
     bf16 q[ROWS * HS], k[STAGES][FORWARD_TILE * HS], v[STAGES][FORWARD_TILE * HS];
     unsigned long long held_full, held_empty, full[STAGES], empty[STAGES];
