@@ -152,12 +152,14 @@ class CupyBackend:
         pack = 16 // out.dtype.itemsize
         self._kernel(family, name)((blocks(out.size // pack),), (BLOCK,), (out, *inputs, out.size))
 
+    ADD_PHASES = 32   # add_partial_sums's threads a column, each on every 32nd row
+
     def _add_partial_sums(self, outs, partial):
-        """outs[i][j] += sum over the rows k of partial[k, i * n + j] (reduce.cu), in row order: the second
+        """outs[i][j] += sum over the rows k of partial[k, i * n + j] (reduce.cu), in a fixed order: the second
         stage of up to three column sums of width n, in one launch."""
         n, (rows, width) = outs[0].size, partial.shape
-        self._kernel("reduce", "add_partial_sums")(
-            (blocks(width),), (BLOCK,),
+        self._kernel("reduce", "add_partial_sums", ADD_PHASES=self.ADD_PHASES)(
+            (blocks(width, 32),), (32, self.ADD_PHASES),
             (*outs, *[None] * (3 - len(outs)), partial, np.int32(rows), np.int32(n), np.int32(len(outs))))
 
     # ---------------------------------------------------------------- encoder

@@ -5,18 +5,30 @@
 #include "common.cuh"
 
 // The partial sums of `count` outputs side by side, each n long: partial (rows, count * n). For
-// j < count * n, output j / n gets, at j % n, the sum over k < rows of partial[k * count * n + j], the rows
-// added in order.
-// One thread per output element (one launch for all of a layernorm's sums); consecutive threads read
-// consecutive floats of each row.
-extern "C" __global__ void add_partial_sums(floatX* out0, floatX* out1, floatX* out2, const float* partial,
-                                            int rows, int n, int count) {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= count * n) return;
-    floatX* out = j < n ? out0 : j < 2 * n ? out1 : out2;
+// j < count * n, output j / n gets, at j % n, the sum over k < rows of partial[k * count * n + j].
+// Block (32, ADD_PHASES) takes 32 columns: thread (x, y) adds rows y, y + ADD_PHASES, ... of column x (a warp
+// reads 128 contiguous bytes of a row), then thread (x, 0) adds the ADD_PHASES sums in order. The order is
+// fixed, so the sums are the same on every run; one launch for all of a layernorm's sums. A thread used to
+// take a whole column alone: 132 rows one after another, 7.0 us for a layernorm's sums at d12 or d48, now
+// 5.5 (H100).
+#ifndef ADD_PHASES
+#define ADD_PHASES 32
+#endif
+extern "C" __global__ void __launch_bounds__(32 * ADD_PHASES)
+add_partial_sums(floatX* out0, floatX* out1, floatX* out2, const float* partial, int rows, int n, int count) {
+    __shared__ float sums[ADD_PHASES][32];
+    const int j = blockIdx.x * 32 + threadIdx.x;
     float acc = 0.0f;
-    for (int k = 0; k < rows; k++) acc += partial[(long long)k * count * n + j];
-    out[j % n] = floatX((float)out[j % n] + acc);
+    if (j < count * n)
+        #pragma unroll 8
+        for (int k = threadIdx.y; k < rows; k += ADD_PHASES) acc += partial[(long long)k * count * n + j];
+    sums[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y > 0 || j >= count * n) return;
+    float total = 0.0f;
+    for (int y = 0; y < ADD_PHASES; y++) total += sums[y][threadIdx.x];
+    floatX* out = j < n ? out0 : j < 2 * n ? out1 : out2;
+    out[j % n] = floatX((float)out[j % n] + total);
 }
 
 // sumsq, stage 1: gridDim.x blocks stride over x, thread i taking packs i, i + gridDim.x * blockDim.x, ...
