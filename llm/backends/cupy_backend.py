@@ -155,8 +155,8 @@ class CupyBackend:
     ADD_PHASES = 32   # add_partial_sums's threads a column, each on every 32nd row
 
     def _add_partial_sums(self, outs, partial):
-        """outs[i][j] += sum over the rows k of partial[k, i * n + j] (reduce.cu), in a fixed order: the second
-        stage of up to three column sums of width n, in one launch."""
+        """outs[i][j] += sum over the rows k of partial[k, i * n + j] (reduce.cu), in a fixed order: the
+        second stage of up to three column sums of width n, in one launch."""
         n, (rows, width) = outs[0].size, partial.shape
         self._kernel("reduce", "add_partial_sums", ADD_PHASES=self.ADD_PHASES)(
             (blocks(width, 32),), (32, self.ADD_PHASES),
