@@ -303,6 +303,29 @@ def test_fused_attention_matches_the_naive_attention_at_odd_sizes(attention, T, 
     assert errors["out"] < 1e-2 and errors["dqkv"] < 2e-2 and errors["lse"] < 1e-3 and errors["dbias"] < 2e-2
 
 
+@pytest.mark.parametrize("T", [129, 1000, 1024])
+def test_hopper_dq_consumers_give_the_same_bits(T):
+    """The Hopper dQ kernel with three consumer warpgroups, whose rows past T are skipped, writes the bits of
+    two: a row's products and its 16-row bias sums run in the same order either way."""
+    from llm.backends.attention import HopperFlashAttention
+    gpu = attention_backend("flash")
+    if not isinstance(gpu.attention, HopperFlashAttention):
+        pytest.skip("needs a Hopper GPU (the wgmma kernels)")
+    rng = np.random.default_rng(T)
+    B, NH, hs = 2, 3, 64
+    qkv, dout = (gpu.asarray(randn(rng, B, T, n * NH * hs), gpu.dtype) for n in (3, 1))
+    out = gpu.xp.zeros((B, T, NH * hs), gpu.dtype)
+    lse = gpu.xp.zeros(gpu.attention_saved_shape(B, T, NH)[0], np.float32)
+    gpu.attention_forward(out, lse, qkv, NH)
+    runs = []
+    for consumers in (2, 3):
+        gpu.attention.CONSUMERS = dict(HopperFlashAttention.CONSUMERS, flash_backward_dq=consumers)
+        dqkv = gpu.xp.zeros((B, T, 3 * NH * hs), gpu.dtype)
+        sums = gpu.attention.backward(dqkv, dout, qkv, out, lse, NH)
+        runs.append((gpu.to_numpy(dqkv), sums.get()))
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.skipif(not cudnn_usable(), reason="needs cuDNN's frontend (pip install .[cudnn])")
 def test_a_shape_cudnn_does_not_take_is_one_line():
     from llm.backends import BackendError

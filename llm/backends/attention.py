@@ -171,10 +171,10 @@ class HopperFlashAttention(FlashAttention):
     The kernels export the bytes of shared memory their layouts take, which the launch reads back."""
     name = "flash-hopper"
     # consumer warpgroups per kernel: the dK, dV kernel reads K and V from shared memory, which leaves room
-    # for a third (its comment says what it gains); dQ's gained nothing from a third (477.6 against 479.8 us);
-    # the forward's three, on key tiles of 64, take 0.345-0.354 ms a layer against 0.362-0.370 for two on
-    # tiles of 128 (d12 B=64, H100)
-    CONSUMERS = dict(flash_forward=3, flash_backward_dq=2, flash_backward_dkv=3)
+    # for a third (its comment says what it gains); the forward's three, on key tiles of 64, take
+    # 0.345-0.354 ms a layer against 0.362-0.370 for two on tiles of 128 (d12 B=64, H100); dQ's three,
+    # skipping the rows past T, make the backward 0.927 ms a layer against 0.960 for two (d12 B=64, H100)
+    CONSUMERS = dict(flash_forward=3, flash_backward_dq=3, flash_backward_dkv=3)
     STAGES, FORWARD_TILE, BACKWARD_TILE = 3, 64, 64   # three stages: the fastest measured on an H200
     GROUP_HEADS = 64   # items are ordered by row tile within groups of this many heads (the kernels say why)
     COPY_ROWS = 64     # rows the copy engine moves at once

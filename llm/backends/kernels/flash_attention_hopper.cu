@@ -587,7 +587,9 @@ flash_backward_dq(bf16* dqkv, float* bias_sums, const __grid_constant__ TensorMa
         for (int j = 0; j < tiles; j++, g++) {
             const int s = g % STAGES, k0 = j * BACKWARD_TILE;
             mbar_wait(&sm.full[s], (g / STAGES) & 1);
-            if (k0 <= first_row + 63) {   // P's exponentials run while the tensor cores make dP
+            // up to this warpgroup's diagonal; nothing for one whose rows all lie past T (the forward's comment
+            // says why). P's exponentials run while the tensor cores make dP.
+            if (first_row < T && k0 <= first_row + 63) {
                 float p[BACKWARD_TILE / 8][4], dp[BACKWARD_TILE / 8][4];
                 wgmma_fence();
                 rows_times_tile_t<BACKWARD_TILE>(p, qf, sm.k[s]);
