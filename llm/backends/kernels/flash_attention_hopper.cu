@@ -86,7 +86,7 @@ __device__ __forceinline__ void tma_load(bf16* tile, const TensorMap* map, int c
 // 24 in the forward, whose producer is one thread issuing copies (with two consumer warpgroups they got 240
 // instead of 232, 0.372 against 0.389 ms a layer on an H200; its three get 160 either way); 32 in the
 // backward's, so that the dK, dV kernel's three consumer warpgroups get 160 (its producer warp, which also
-// loads lse and D, spills 20 bytes at 32 and 52 at 24; dQ's two get 232 either way).
+// loads lse and D, spills 20 bytes at 32 and 52 at 24; dQ's three get 160 either way).
 constexpr int LAUNCH_REGISTERS = 65536 / THREADS / 8 * 8;
 constexpr int FORWARD_PRODUCER = 24, BACKWARD_PRODUCER = 32;
 template <int PRODUCER>
