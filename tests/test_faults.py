@@ -789,9 +789,10 @@ def test_threads_per_rank_are_the_cores_shared_among_the_local_ranks(monkeypatch
 @needs_mpiexec
 def test_ranks_on_few_cores_share_them_instead_of_oversubscribing(shards):
     """Four ranks once each started a BLAS thread and a pool thread per core: on 2 cores, a step of -np 4
-    burned 40 times the CPU time of -np 1. Sized per local rank, they cost about the same. Steps are
-    counted as the difference of a 22-step and a 2-step run, so that starting four interpreters (which
-    alone costs up to 4 times one) does not count."""
+    burned 20 to 40 times the CPU time of -np 1. Sized per local rank, they cost 1.4 to 2.8 times as much
+    (four ranks pass messages and take turns on the cores), so the bound is 5. Steps are counted as the
+    difference of a 22-step and a 2-step run, so that starting four interpreters (which alone costs up to
+    4 times one) does not count."""
     def cpu_seconds(n, steps):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         run_train(TINY[:2] + ["-b", str(4 // n)] + TINY[4:] + data_args() + ["-d", "128", "-x", str(steps),
@@ -800,4 +801,4 @@ def test_ranks_on_few_cores_share_them_instead_of_oversubscribing(shards):
         after = resource.getrusage(resource.RUSAGE_CHILDREN)   # the ranks are mpiexec's children's children
         return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     one, four = (cpu_seconds(n, 22) - cpu_seconds(n, 2) for n in (1, 4))
-    assert four < 2.5 * one, (one, four)
+    assert four < 5 * one, (one, four)
