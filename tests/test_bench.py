@@ -1,6 +1,7 @@
 """bench/table.py reads bench/step.py's and bench/torch_gpt2.py's logs into the side-by-side table: the
 figure it takes is the time of the steps in a row, and a log without one is one line, not a wrong row;
-nvidia-smi's lines give the peak memory and the median clock and power.
+nvidia-smi's lines give the peak memory and the median clock and power. The per-op table counts each
+op's time once.
 The benchmarks' counts and lengths are checked before anything runs. bench/kernels.py's report adds up
 the GPU's idle gaps and sets the host's calls beside the longest. bench/gemms.py names the plan of each GEMM
 an op issues (on a stand-in for BlasLt)."""
@@ -41,6 +42,21 @@ def test_the_table_takes_the_steps_in_a_row_of_each_log_and_the_ratio_to_the_yar
     assert f"| {ms:.1f} | " in rows["ours"] and rows["ours"].endswith(" | n/a | n/a |")   # no nvidia-smi here
     assert f"| {tok_s / (tok_s // 2):.2f}x |" in rows["ours"]
     assert rows["torch"].endswith("| 1.00x | 1,234 | 1,650 MHz, 690 W |")
+
+
+def test_the_per_op_table_counts_an_op_inside_another_once():
+    """NumPy's matmul_gelu_forward and _backward call matmul_forward, matmul_backward and gelu_forward: the
+    table counts the 3 direct matmuls a layer and lm_head's, and no GELU of its own."""
+    out = python(["-m", "bench.step", "--backend", "numpy", "--model", "d2c64h4", "-b", "2", "-t", "32",
+                  "--steps", "1"], cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    table = out.stdout.split("per-op time of one step (")[1].splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table[2:]}
+    assert rows["matmul_forward"][0] == rows["matmul_backward"][0] == str(3 * 2 + 1)
+    assert rows["matmul_gelu_forward"][0] == rows["matmul_gelu_backward"][0] == "2"
+    assert "gelu_forward" not in rows
+    in_ops = float(table[0].split(" ms")[0])
+    assert abs(sum(float(ms) for _, ms, _ in rows.values()) - in_ops) < 0.01 * len(rows)   # printed to 0.01
 
 
 def test_the_sampler_takes_the_peak_memory_and_the_median_clock_and_power_of_nvidia_smis_lines():
