@@ -64,7 +64,8 @@ class ParamViews:
 
 
 def decay_segments(config, start, stop):
-    """Split the flat range [start, stop) into runs of constant weight-decay flag.
+    """Split the flat range [start, stop) at the tensors' boundaries, each piece with its tensor's
+    weight-decay flag.
 
     Returns [(lo, hi, decay)] in flat coordinates. A ZeRO shard cut from the flat buffer can straddle
     tensor boundaries; the optimizer runs once per segment so decay is exact element by element.
