@@ -100,9 +100,11 @@ def atomic_path(path):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with suppress(FileNotFoundError):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.filename == tmp:   # say the name the user knows, not ours
+            raise OSError(e.errno, e.strerror, path) from None
         raise
     directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:

@@ -10,6 +10,7 @@
   stop(message, code)        print one line and end this process and, under a launcher, the whole job
   Parser                     argparse for every command line here: a mistake in the options is one line
   positive_int               Parser's type for an option that counts something (steps, repeats, a batch)
+  output_dir, output_file    an output place that cannot be written is one line before any work, not after
   optional(module, extra)    import a package only some commands need, or say in one line how to install it
   install(extra)             the pip command that installs one of the optional extras
 
@@ -27,6 +28,7 @@ import importlib
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -224,6 +226,36 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def output_dir(path, flag="--out"):
+    """Make `path` a folder this process can write into (creating it and its parents), or raise a UserError
+    naming `flag`: called before any work, so that an output that cannot be written is one line at once,
+    not an error after the work, which names a temporary file. Returns path."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path}: exists and is not a folder: name a folder")
+    return _writable(path, path, flag)
+
+
+def output_file(path, flag):
+    """output_dir for the folder of the file `path`, which must not be a folder itself. Returns path."""
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path}: is a folder: name a file")
+    return _writable(path, os.path.dirname(os.path.abspath(path)), flag)
+
+
+def _writable(path, folder, flag):
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):   # made and removed: what the command will do there
+            pass
+    except (FileExistsError, NotADirectoryError):   # a file where a folder of the path should be
+        problem = "a part of the path is a file, not a folder"
+    except OSError as e:
+        problem = f"cannot write there ({e.strerror or e})"
+    else:
+        return path
+    raise UserError(f"{flag} {path}: {problem}: choose another place")
 
 
 class StdoutError(OSError):

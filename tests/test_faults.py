@@ -33,6 +33,26 @@ def assert_one_line_error(proc, message, code=1):
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
+def test_an_output_place_that_cannot_be_written_is_named_with_its_flag_before_any_work(tmp_path):
+    from llm.launch import UserError, output_dir, output_file
+    a_file = tmp_path / "a file"
+    a_file.write_text("")
+    cases = [(output_dir, a_file, "--out", "exists and is not a folder: name a folder"),
+             (output_dir, a_file / "sub", "--out", "a part of the path is a file"),
+             (output_file, tmp_path, "--tokenizer", "is a folder: name a file"),
+             (output_file, a_file / "tok.bin", "--tokenizer", "a part of the path is a file")]
+    if os.geteuid() != 0:   # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        cases.append((output_dir, locked / "out", "--out", "cannot write there (Permission denied)"))
+    for check, path, flag, message in cases:
+        with pytest.raises(UserError, match=re.escape(f"{flag} {path}: {message}")):
+            check(str(path), flag)
+    assert output_dir(str(tmp_path / "new" / "out")) == str(tmp_path / "new" / "out")
+    assert os.listdir(tmp_path / "new" / "out") == []   # made, and the file that tried it is gone
+    assert output_file(str(tmp_path / "t.bin"), "--tokenizer") == str(tmp_path / "t.bin")
+
+
 # ---------------------------------------------------------------------------------------------- flags
 
 @pytest.mark.parametrize("flag, value, message", [

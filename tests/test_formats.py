@@ -498,6 +498,14 @@ def test_a_crashed_rewrite_keeps_the_old_file(tmp_path, monkeypatch):
     assert formats.read_model(path)[1].tobytes() == params.tobytes()
 
 
+def test_a_write_that_cannot_start_names_the_file_not_its_temporary_name(tmp_path):
+    path = tmp_path / "no such folder" / "model.bin"
+    with pytest.raises(FileNotFoundError) as e:
+        with formats.atomic_write(path) as f:
+            f.write(b"never")
+    assert e.value.filename == str(path)
+
+
 # ---------------------------------------------------------------------------------------------- checksums
 
 def flip_bits(path, byte_offsets, mask=0x10):
