@@ -183,6 +183,14 @@ def check_payload_size(path, payload_bytes, expected_bytes, what):
                           f"of payload ({payload_bytes - expected_bytes} extra bytes)")
 
 
+def check_counts(path, minimum=0, **counts):
+    """The sizes a header gives (B=..., T=...) must each be at least `minimum`: one below it means the
+    header is damaged, and arrays of that size cannot be made."""
+    if any(n < minimum for n in counts.values()):
+        said = ", ".join(f"{name}={n}" for name, n in counts.items())
+        raise FormatError(f"{path}: header says {said}, less than {minimum}: the file is damaged")
+
+
 def all_finite(x):
     """Whether a float array holds no NaN and no inf: its float64 sum is finite exactly then (a float32
     sum could overflow), and summing needs no array-sized temporary."""
@@ -313,8 +321,11 @@ def _model_config(path, header):
 def read_model_config(path):
     """-> (config, version) from a model file's header, without reading its parameters (to check the model
     and count the memory first)."""
-    with open_llmc(path, MODEL_MAGIC, MODEL_VERSIONS) as (_, header, _):
-        return _model_config(path, header), int(header[1])
+    with open_llmc(path, MODEL_MAGIC, MODEL_VERSIONS) as (_, header, payload_bytes):
+        config, version = _model_config(path, header), int(header[1])
+        n = config.num_parameters   # a damaged size in the header would otherwise pass for a larger model
+        check_payload_size(path, payload_bytes, n * MODEL_DTYPES[version].itemsize, f"{n} parameters")
+        return config, version
 
 
 def read_model(path):
@@ -476,6 +487,7 @@ def read_debug_state(path, config):
     versions = {DEBUG_STATE_VERSION: "padded vocab"}
     with open_llmc(path, DEBUG_STATE_MAGIC, versions) as (f, header, payload_bytes):
         B, T = int(header[2]), int(header[3])
+        check_counts(path, 1, B=B, T=T)
         V, n = config.vocab_size, config.num_parameters
         check_payload_size(path, payload_bytes, 4 * (2 * B * T + B * T * V + 1 + n),
                            f"B={B}, T={T}; the model has V={V} and {n} parameters")
@@ -516,6 +528,7 @@ def read_tokenizer(path, expected_vocab=None):
     versions = {TOKENIZER_VERSION_NO_EOT: "GPT-2, EOT 50256", TOKENIZER_VERSION: "EOT id in slot 3"}
     with open_llmc(path, TOKENIZER_MAGIC, versions) as (f, header, payload_bytes):
         n = int(header[2])
+        check_counts(path, 1, tokens=n)
         if header[1] == TOKENIZER_VERSION_NO_EOT:
             if n != GPT2_EOT + 1:
                 raise FormatError(f"{path}: a version 1 tokenizer must have {GPT2_EOT + 1} tokens, "
@@ -569,6 +582,7 @@ def open_shard(path):
     it holds exactly the ntok tokens its header says."""
     with open_llmc(path, SHARD_MAGIC, {SHARD_VERSION: ""}) as (f, header, payload_bytes):
         ntok = int(header[2])
+        check_counts(path, tokens=ntok)
         check_payload_size(path, payload_bytes, 2 * ntok, f"{ntok} tokens")
         return os.fdopen(os.dup(f.fileno()), "rb", buffering=0), ntok
 
@@ -651,6 +665,7 @@ def read_eval(path):
     """-> list of dict(label, context, completions), checking markers, indices and lengths."""
     with open_llmc(path, EVAL_MAGIC, {EVAL_VERSION: ""}) as (f, header, payload_bytes):
         num_examples, longest = int(header[2]), int(header[3])
+        check_counts(path, examples=num_examples, longest_example_bytes=longest)
         if payload_bytes % 2:
             raise FormatError(f"{path}: payload of {payload_bytes} bytes is not a whole number of uint16")
         stream = np.fromfile(f, dtype="<u2", count=payload_bytes // 2).tolist()

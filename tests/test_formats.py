@@ -162,6 +162,35 @@ def test_model_errors_name_the_file_and_the_problem(tmp_path):
         formats.read_model(path)
 
 
+def test_a_model_header_whose_sizes_disagree_with_the_file_is_refused_before_the_parameters_are_read(
+        tmp_path):
+    """A damaged layer count would otherwise pass for a larger model, and a command would first say there is
+    not enough memory for it."""
+    path = tmp_path / "model.bin"
+    formats.write_model(path, TINY, random_params())
+    set_slot(path, 4, 100000)   # num_layers
+    with raises(path, "truncated: header says", "parameters"):
+        formats.read_model_config(path)
+
+
+@pytest.mark.parametrize("write, read, slot, value, said", [
+    (lambda p: formats.write_debug_state(p, **debug_batch()), lambda p: formats.read_debug_state(p, TINY),
+     3, 0, "header says B=2, T=0, less than 1"),
+    (lambda p: formats.write_tokenizer(p, TOKENS, eot_id=4), formats.read_tokenizer, 2, 0,
+     "header says tokens=0, less than 1"),
+    (lambda p: formats.write_shard(p, np.arange(10)), formats.read_shard, 2, -1,
+     "header says tokens=-1, less than 0"),
+    (lambda p: formats.write_eval(p, EXAMPLES), formats.read_eval, 2, -2,
+     "header says examples=-2, longest_example_bytes="),
+])
+def test_a_header_size_that_no_file_can_have_is_named_as_damage(tmp_path, write, read, slot, value, said):
+    path = tmp_path / "file.bin"
+    write(path)
+    set_slot(path, slot, value)
+    with raises(path, said, "the file is damaged"):
+        read(path)
+
+
 def test_write_model_refuses_a_buffer_of_the_wrong_size(tmp_path):
     with pytest.raises(ValueError, match=r"shape \(7615,\), expected \(7616,\)"):
         formats.write_model(tmp_path / "m.bin", TINY, np.zeros(7615, np.float32))
