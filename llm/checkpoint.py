@@ -265,7 +265,7 @@ class OutputDir:
         if run_id:
             self.run_id = run_id
         if step and self.comm.rank == 0 and os.path.isfile(self.log_path):
-            with open(self.log_path) as f:
+            with open(self.log_path, errors="replace") as f:   # a damaged byte costs its line alone
                 self.logged = {log_key(line) for line in f}
         return step
 

@@ -54,6 +54,17 @@ def test_a_resumed_run_leaves_the_main_log_of_the_run_that_was_not_interrupted(s
     assert (shards / "ck" / "main.log").read_text() == full
 
 
+def test_a_main_log_with_bytes_that_are_not_text_does_not_stop_a_resume(shards):
+    args = TINY + data_args() + ["-v", "2", "-n", "2", "-o", "ck"]
+    run_train(args + ["-x", "2"], cwd=shards)
+    with open(shards / "ck" / "main.log", "ab") as f:
+        f.write(b"\xff\xfe\n")
+    assert "resuming from checkpoint at step 2" in run_train(args + ["-x", "4", "-y", "1"], cwd=shards).stdout
+    after = (shards / "ck" / "main.log").read_bytes().split(b"\xff\xfe\n")[1].decode()
+    assert [checkpoint.log_key(line) for line in after.splitlines()] == [("s:2", "trl"), ("s:3", "trl"),
+                                                                         ("s:4", "tel")]
+
+
 def test_killed_run_never_leaves_a_checkpoint_that_fails_to_load(shards):
     """Kill the trainer at several moments, mid-write included; every DONE checkpoint must load and resume."""
     args = TINY + data_args() + ["-x", "12", "-n", "1", "-o", "ck", "-y", "1"]
