@@ -48,16 +48,19 @@ RANK0_FIRST_S = 0.7   # how long other ranks let rank 0 speak first when every r
 FORWARD_S = 0.2       # how long a rank waits, once its line is out, for the launcher to pass it on
 
 
-def _first_int(names, default):
+def _first_int(names, default, minimum=0):
+    """The first of the variables `names` that holds a whole number of at least `minimum`; a value that
+    is not one (a size of 0, left by another launcher) is not the launcher's, and is passed over."""
     for name in names:
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) >= minimum:
+            return int(value)
     return default
 
 
 def launched_world_size():
     """The number of processes mpirun/mpiexec started, read from the launcher's environment (1 if none)."""
-    return _first_int(WORLD_SIZE_VARS, 1)
+    return _first_int(WORLD_SIZE_VARS, 1, minimum=1)
 
 
 def launched_rank():
@@ -66,7 +69,7 @@ def launched_rank():
 
 def local_ranks():
     """How many ranks of this job share this machine (1 without a launcher)."""
-    return _first_int(LOCAL_SIZE_VARS, 1)
+    return _first_int(LOCAL_SIZE_VARS, 1, minimum=1)
 
 
 def cores():

@@ -804,6 +804,9 @@ def test_threads_per_rank_are_the_cores_shared_among_the_local_ranks(monkeypatch
         launch.limit_threads()
         assert blas_threads() == {1}
         assert all(os.environ[name] == value for name, value in launch.YIELD_VARS.items())
+        del os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"]
+        os.environ["MPI_LOCALNRANKS"] = "0"   # no launcher's: a size of 0, left behind, is passed over
+        assert launch.local_ranks() == launch.launched_world_size() == 1 and launch.threads_per_rank() == 8
 
 
 @needs_mpiexec
