@@ -141,6 +141,16 @@ def _describe_versions(versions):
     return " or ".join(f"{v} ({what})" if what else str(v) for v, what in versions.items())
 
 
+def what_it_is(path):
+    """"; this is an llm.c tokenizer file" when the file begins with one of FORMAT_NAMES' magics, else ""."""
+    with suppress(OSError):
+        with open(path, "rb") as f:
+            magic = np.frombuffer(f.read(4).ljust(4, b"\0"), dtype="<i4")[0]
+        if magic in FORMAT_NAMES:
+            return f"; this is {FORMAT_NAMES[magic]}"
+    return ""
+
+
 @contextmanager
 def open_llmc(path, magic, versions):
     """Open an llm.c file and check its header's magic and version.
@@ -162,10 +172,8 @@ def open_llmc(path, magic, versions):
                               f"less than the {HEADER_BYTES}-byte header")
         header = np.fromfile(f, dtype="<i4", count=HEADER_INTS)
         if header[0] != magic:
-            problem = f"bad magic {header[0]} (expected {magic}: {FORMAT_NAMES[magic]})"
-            if header[0] in FORMAT_NAMES:
-                problem += f"; this is {FORMAT_NAMES[header[0]]}"
-            raise FormatError(f"{path}: {problem}")
+            raise FormatError(f"{path}: bad magic {header[0]} (expected {magic}: {FORMAT_NAMES[magic]})"
+                              f"{what_it_is(path)}")
         if header[1] not in versions:
             raise FormatError(f"{path}: unknown version {header[1]} "
                               f"(expected {_describe_versions(versions)})")

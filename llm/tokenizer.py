@@ -21,6 +21,7 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 ENDOFTEXT = "<|endoftext|>"
 VOCAB_ENV = "GPT2_VOCAB"
 NO_VOCAB_HINT = f"pass --vocab PATH to a gpt2.tiktoken file or set {VOCAB_ENV}"
+BAD_VOCAB_ENV_HINT = f"fix or unset {VOCAB_ENV}, or pass --vocab PATH to a gpt2.tiktoken file"
 
 
 class TokenizerError(UserError):
@@ -29,21 +30,28 @@ class TokenizerError(UserError):
 
 def get_encoding(vocab_path=None):
     """GPT-2's tiktoken Encoding: from vocab_path or $GPT2_VOCAB when given, else tiktoken's download."""
-    vocab_path = vocab_path or os.environ.get(VOCAB_ENV)
+    named, vocab_path = vocab_path, vocab_path or os.environ.get(VOCAB_ENV)
     if not vocab_path:
         try:
             return tiktoken.get_encoding("gpt2")
         except OSError:   # requests' connection errors are OSErrors
             raise TokenizerError(f"cannot download GPT-2's BPE ranks (offline?): {NO_VOCAB_HINT}") from None
+    where = vocab_path if named else f"{vocab_path} (${VOCAB_ENV})"
+    hint = NO_VOCAB_HINT if named else BAD_VOCAB_ENV_HINT
+    if os.path.isdir(vocab_path):
+        raise TokenizerError(f"{where}: a folder, not a file: {hint}")
     try:
         ranks = tiktoken.load.load_tiktoken_bpe(vocab_path)
     except FileNotFoundError:
-        raise TokenizerError(f"{vocab_path}: no such file: {NO_VOCAB_HINT}") from None
-    except (OSError, ValueError) as e:
-        raise TokenizerError(f"{vocab_path}: not a tiktoken ranks file ({e})") from None
+        raise TokenizerError(f"{where}: no such file: {hint}") from None
+    except OSError as e:
+        raise TokenizerError(f"{where}: cannot read ({e.strerror or e}): {hint}") from None
+    except ValueError:   # its message quotes the line it could not parse, which can be kilobytes of bytes
+        raise TokenizerError(f"{where}: not a tiktoken ranks file{formats.what_it_is(vocab_path)}: "
+                             f"{hint}") from None
     if len(ranks) != GPT2_EOT or max(ranks.values()) != GPT2_EOT - 1:
-        raise TokenizerError(f"{vocab_path}: {len(ranks)} ranks, but GPT-2 has {GPT2_EOT} "
-                             f"(ids 0..{GPT2_EOT - 1})")
+        raise TokenizerError(f"{where}: {len(ranks)} ranks, but GPT-2 has {GPT2_EOT} "
+                             f"(ids 0..{GPT2_EOT - 1}): {hint}")
     return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: GPT2_EOT},
                              explicit_n_vocab=GPT2_EOT + 1)

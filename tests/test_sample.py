@@ -150,3 +150,22 @@ def test_a_prompt_is_continued_and_must_fit_the_window(tmp_path):
     assert text_of(proc).startswith("Hello world") and len(text_of(proc)) > len("Hello world")
     proc = run_sample(tmp_path, "--prompt", "Hello world", "--vocab", VOCAB, "-g", 14)
     assert "the prompt's 2 tokens" in proc.stderr and "ask for -g 13 or fewer" in proc.stderr
+
+
+def test_a_vocab_that_is_not_gpt2s_ranks_says_where_its_name_came_from_and_what_to_do(tmp_path, monkeypatch):
+    """Each in one short line: tiktoken's own message quotes the line it could not parse, which in a
+    binary file runs to kilobytes."""
+    from llm.tokenizer import TokenizerError, get_encoding
+    formats.write_tokenizer(tmp_path / "tok.bin", [b"a", b"b"], 1)
+    flag_hint = "pass --vocab PATH to a gpt2.tiktoken file or set GPT2_VOCAB"
+    env_hint = "fix or unset GPT2_VOCAB, or pass --vocab PATH to a gpt2.tiktoken file"
+    monkeypatch.delenv("GPT2_VOCAB", raising=False)
+    with pytest.raises(TokenizerError) as e:
+        get_encoding(str(tmp_path / "tok.bin"))
+    assert str(e.value) == (f"{tmp_path / 'tok.bin'}: not a tiktoken ranks file; this is an llm.c tokenizer "
+                            f"file: {flag_hint}")
+    for path, problem in ((tmp_path / "missing", "no such file"), (tmp_path, "a folder, not a file")):
+        monkeypatch.setenv("GPT2_VOCAB", str(path))
+        with pytest.raises(TokenizerError) as e:
+            get_encoding()
+        assert str(e.value) == f"{path} ($GPT2_VOCAB): {problem}: {env_hint}"
