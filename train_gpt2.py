@@ -156,8 +156,10 @@ def parse_args(argv):
         if launch.launched_rank() == 0:
             print(usage())
         raise SystemExit(0)
-    if len(argv) % 2:
-        raise UsageError(f"flag {argv[-1]} has no value (options come in pairs: -flag value)")
+    for flag, value in zip(flags, argv[1::2] + [None]):   # a flag without its value shifts every pair after it
+        if value is None or value in FLAGS or value in LLMC_ONLY:
+            followed = "" if value is None else f", it is followed by the flag {value}"
+            raise UsageError(f"flag {flag} has no value{followed} (options come in pairs: -flag value)")
     values = {name: default for name, default, _, _, _ in FLAGS.values()}
     for flag, value in zip(flags, argv[1::2]):
         if flag in LLMC_ONLY:

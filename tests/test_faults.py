@@ -124,6 +124,7 @@ def test_flags_that_are_fine_pass():
     (["-i", "data/missing.bin"], "no files match -i/-j pattern 'data/missing.bin'"),
     (["-zz", "1"], "unknown flag -zz"),
     (["-b"], "flag -b has no value"),
+    (["-o", "-b", "4"], "flag -o has no value, it is followed by the flag -b"),   # once: "flag 4 has no value"
     (["-b", "four"], "flag -b needs int value, got 'four'"),
     (["-d", "1000"], "total batch size -d 1000 is not divisible by B*T*N = 4*32*1 = 128"),
     (["-t", "2048"], "-t 2048 exceeds the model's max_seq_len 1024"),
