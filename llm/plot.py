@@ -9,10 +9,11 @@ and draws train and val loss against step, with HellaSwag accuracy on a second a
 Plotting needs matplotlib, an optional extra (pip install -e ".[plot]"). It is imported only when a figure is
 drawn, so nothing else in llm/ depends on it, and it draws with Agg, which needs no display.
 """
+import logging
 import os
 import re
 
-from .launch import Parser, UserError, optional, run
+from .launch import Parser, UserError, optional, output_file, run
 
 LINE = re.compile(r"s:(\d+) (trl|tel|eval):(\S+)")
 
@@ -81,9 +82,13 @@ def main(argv):
     if not train and not val:
         raise UserError(f"{log}: no s:N trl:/tel: lines to plot")
     title = f"{os.path.basename(os.path.abspath(args.dir))}: loss against step"
+    out = output_file(args.out or os.path.join(args.dir, "loss.png"), "-o")
+    if not os.path.splitext(out)[1]:
+        out += ".png"   # what matplotlib would add: the line below then names the file it wrote
+    # matplotlib warns, in lines of its own, when it cannot write its cache under $HOME; it draws the same
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
     optional("matplotlib", "plot")   # before the figure: without it, one line
     fig = figure(train, val, evals, title, log_scale=args.log)
-    out = args.out or os.path.join(args.dir, "loss.png")
     try:
         fig.savefig(out)
     except ValueError as e:   # an image format matplotlib does not write: it names the ones it does

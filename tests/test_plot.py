@@ -72,6 +72,17 @@ def test_plot_writes_an_800_by_500_png(tmp_path, capsys):
     assert png_size(tmp_path / "other.png") == (800, 500)
 
 
+def test_an_image_name_without_a_suffix_gets_png_and_a_folder_is_refused(tmp_path, capsys):
+    """matplotlib adds .png to a name without a suffix: the line names the file as written."""
+    run = run_dir(tmp_path)
+    assert plot.main([str(run), "-o", str(tmp_path / "curves")]) == 0
+    assert png_size(tmp_path / "curves.png") == (800, 500)
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'curves.png'}: ")
+    proc = run_plot(["run", "-o", "run"], cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stderr == "error: -o run: is a folder: name a file\n"
+    assert sorted(p.name for p in run.iterdir()) == ["main.log"]
+
+
 def test_figure_has_labelled_axes_a_legend_and_a_title():
     fig = plot.figure([(0, 4.0), (1, 3.5)], [(1, 3.6)], [(1, 0.26)], "run: loss against step")
     loss, acc = fig.axes
