@@ -21,7 +21,7 @@ from llm import agreement, formats, launch, memory, report
 from llm.backends import get_backend, resolve
 from llm.checkpoint import OutputDir
 from llm.comm import make_comm
-from llm.config import GPT2_VOCAB, WEIGHTS_HINT, GPT2Config
+from llm.config import GPT2_VOCAB, WEIGHTS_HINT, DescriptorError, GPT2Config
 from llm.data import DataLoader, EvalLoader, score, shared_files_warning
 from llm.formats import FormatError
 from llm.launch import UsageError, install
@@ -156,7 +156,7 @@ def parse_args(argv):
         if launch.launched_rank() == 0:
             print(usage())
         raise SystemExit(0)
-    for flag, value in zip(flags, argv[1::2] + [None]):   # a flag without its value shifts every pair after it
+    for flag, value in zip(flags, argv[1::2] + [None]):   # a flag without its value shifts the pairs after it
         if value is None or value in FLAGS or value in LLMC_ONLY:
             followed = "" if value is None else f", it is followed by the flag {value}"
             raise UsageError(f"flag {flag} has no value{followed} (options come in pairs: -flag value)")
@@ -227,7 +227,10 @@ def build_model(settings, backend, comm):
             raise FormatError(f"{source}: no such file: {WEIGHTS_HINT}; or train from scratch with -e d12")
         config, _ = formats.read_model_config(source)
     else:
-        config = GPT2Config.from_descriptor(source)
+        try:
+            config = GPT2Config.from_descriptor(source)
+        except DescriptorError as e:
+            raise DescriptorError(f"{e}, or a model file (.bin)") from None
     B, T = settings.B, settings.T
     if T > config.max_seq_len:
         raise UsageError(f"-t {T} exceeds the model's max_seq_len {config.max_seq_len}")

@@ -34,6 +34,10 @@ class ConfigError(UserError):
     """A model description that cannot be built (bad descriptor, sizes that do not divide)."""
 
 
+class DescriptorError(ConfigError):
+    """Text that is no model descriptor at all (where a command also takes a file, it says so)."""
+
+
 @dataclass(frozen=True)
 class GPT2Config:
     max_seq_len: int = GPT2_MAX_SEQ        # maxT, rows of wpe
@@ -47,7 +51,8 @@ class GPT2Config:
         if min(self.max_seq_len, self.vocab_size, self.num_layers, self.num_heads, self.channels) <= 0:
             raise ConfigError(f"every model size must be positive: {self}")
         if self.channels % self.num_heads:
-            raise ConfigError(f"channels {self.channels} is not divisible by num_heads {self.num_heads}")
+            raise ConfigError(f"channels {self.channels} is not divisible by num_heads {self.num_heads}: "
+                              f"choose a number of heads that divides the channels")
         if self.padded_vocab_size < self.vocab_size:
             raise ConfigError(f"padded_vocab_size {self.padded_vocab_size} < vocab_size {self.vocab_size}")
 
@@ -73,8 +78,8 @@ class GPT2Config:
         """Build a config from 'd12' or 'd2c64h4'; raise ConfigError with a clear message otherwise."""
         m = re.fullmatch(r"(?:gpt2:)?d(\d+)(?:c(\d+)h(\d+))?", desc)
         if not m:
-            raise ConfigError(f"unsupported model descriptor '{desc}': use dL (d6, d12, d24, d36, d48) "
-                              f"or dLcChNH (e.g. d2c64h4), or a .bin checkpoint")
+            raise DescriptorError(f"unsupported model descriptor '{desc}': use dL (d6, d12, d24, d36, d48) "
+                                  f"or dLcChNH (e.g. d2c64h4)")
         L = int(m.group(1))
         if m.group(2) is None:
             if L not in DEPTHS:

@@ -124,11 +124,12 @@ def test_flags_that_are_fine_pass():
     (["-i", "data/missing.bin"], "no files match -i/-j pattern 'data/missing.bin'"),
     (["-zz", "1"], "unknown flag -zz"),
     (["-b"], "flag -b has no value"),
-    (["-o", "-b", "4"], "flag -o has no value, it is followed by the flag -b"),   # once: "flag 4 has no value"
+    (["-o", "-b", "4"], "flag -o has no value, it is followed by the flag -b"),   # "flag 4 has no value" once
     (["-b", "four"], "flag -b needs int value, got 'four'"),
     (["-d", "1000"], "total batch size -d 1000 is not divisible by B*T*N = 4*32*1 = 128"),
     (["-t", "2048"], "-t 2048 exceeds the model's max_seq_len 1024"),
     (["-e", "d7"], "unsupported GPT-2 depth 7"),
+    (["-e", "foo"], "or dLcChNH (e.g. d2c64h4), or a model file (.bin)"),   # -e takes both; --model not
     (["-e", "nothere.bin"], "nothere.bin: no such file"),
     (["-o", "data/train.bin"], "-o data/train.bin: exists and is not a directory"),
     (["-o", "data/train.bin/sub"], "-o data/train.bin/sub: cannot use it"),

@@ -18,9 +18,13 @@ def test_tiny_descriptor_reads_layers_channels_heads():
             == (2, 64, 4, 50304, 1024))
 
 
-@pytest.mark.parametrize("desc, message", [("d7", "unsupported GPT-2 depth 7"),
-                                           ("gpt2", "unsupported model descriptor"),
-                                           ("d2c60h8", "channels 60 is not divisible by num_heads 8")])
+@pytest.mark.parametrize("desc, message", [
+    ("d7", "unsupported GPT-2 depth 7"),
+    ("gpt2", r"unsupported model descriptor 'gpt2': use dL \(d6, d12, d24, d36, d48\) or dLcChNH "
+             r"\(e.g. d2c64h4\)$"),   # no ", or a model file": --model and the benchmarks take no file
+    ("d2c60h8", "channels 60 is not divisible by num_heads 8: choose a number of heads that divides the "
+                "channels"),
+])
 def test_bad_descriptors_are_clear_errors(desc, message):
     with pytest.raises(ConfigError, match=message):
         GPT2Config.from_descriptor(desc)
