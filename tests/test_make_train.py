@@ -87,6 +87,18 @@ def test_a_shared_folder_without_the_files_is_one_line_from_make(tmp_path):
 
 
 @needs_make
+@pytest.mark.parametrize("variable, message", [
+    ("TRAIN_STEPS=abc", "TRAIN_STEPS=abc: the steps to train to, a whole number of 1 or more.  Stop.\n"),
+    ("TRAIN_STEPS=0", "TRAIN_STEPS=0: the steps to train to, a whole number of 1 or more.  Stop.\n"),
+    ("RESUME=2", "RESUME=2: 1 resumes the run in log_train, 0 (the default) starts one.  Stop.\n")])
+def test_a_wrong_make_variable_is_named_before_anything_runs(tmp_path, variable, message):
+    """The trainer's own line would name -x or -y, which make's user never typed."""
+    shutil.copy2(os.path.join(REPO, "Makefile"), tmp_path)
+    assert make_error(make([variable, "train"], tmp_path)) == message
+    assert os.listdir(tmp_path) == ["Makefile"]
+
+
+@needs_make
 def test_make_clean_removes_what_make_wrote_and_nothing_else(tmp_path):
     shutil.copy2(os.path.join(REPO, "Makefile"), tmp_path)
     made = [".venv/bin/python", "llm_py.egg-info/PKG-INFO", "data/tinyshakespeare/tiny_shakespeare_val.bin",
