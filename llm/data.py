@@ -72,7 +72,7 @@ class DataLoader:
         if self.num_samples < world_size * B:
             raise DataError(f"'{pattern}' ({len(self.shards)} shards) has only {self.num_samples} samples "
                             f"of T+1={T + 1} tokens; a batch needs world_size*B = {world_size}*{B} = "
-                            f"{world_size * B}")
+                            f"{world_size * B}: lower -b or -t, or give it more data")
         self._epoch_order = None   # (epoch, shard order, first stream position of each shard in it)
         self._shard = None         # (epoch, shard index, sample order or None)
         self.reset()
@@ -288,7 +288,8 @@ def _check_example(path, i, ex, T, vocab_size):
     longest = len(ctx) + max(len(c) for c in completions)
     if longest > T + 1:
         raise DataError(f"{path}: example {i} has {longest} tokens (context + completion), "
-                        f"more than T+1={T + 1}; use a larger -t")
+                        f"more than T+1={T + 1}: use a larger -t (up to the model's max_seq_len), or leave "
+                        f"the example out of the file")
 
 
 def score(losses, mask, labels, n_active):

@@ -137,7 +137,8 @@ def test_token_id_beyond_vocab_names_file_id_and_position(tmp_path):
 def test_too_few_samples_for_one_global_batch(pattern):
     DataLoader(pattern, 13, T)   # exactly one epoch per batch is fine
     with pytest.raises(DataError, match="has only 13 samples of T\\+1=9 tokens; "
-                                       "a batch needs world_size\\*B = 2\\*7 = 14"):
+                                       "a batch needs world_size\\*B = 2\\*7 = 14: lower -b or -t, or give "
+                                       "it more data"):
         DataLoader(pattern, 7, T, rank=1, world_size=2)
 
 
@@ -276,7 +277,8 @@ def test_eval_errors_for_small_batches_long_examples_and_empty_contexts(eval_pat
         EvalLoader(eval_path, 3, T)
     # example 2 has 3 context tokens and a 3-token completion: 6 tokens need T >= 5
     EvalLoader(eval_path, 4, 5)
-    with pytest.raises(DataError, match="example 2 has 6 tokens .*more than T\\+1=5"):
+    with pytest.raises(DataError, match="example 2 has 6 tokens .*more than T\\+1=5: use a larger -t \\(up to "
+                                       "the model's max_seq_len\\), or leave the example out of the file"):
         EvalLoader(eval_path, 4, 4)
     empty = tmp_path / "empty_context.bin"
     formats.write_eval(empty, [dict(label=0, context=[], completions=[[1], [2], [3], [4]])])
