@@ -134,8 +134,8 @@ def load(out_dir, step, model, optimizer, loader, guard):
     path = model_path(out_dir, step)
     config, params, _ = formats.read_model(path)   # verifies the model file's own checksum
     if config != model.config:
-        raise CheckpointError(f"{path}: checkpoint model {config} differs from the model given by -e, "
-                              f"{model.config}")
+        raise CheckpointError(f"{path}: holds a {config} model, but -e gives {model.config}: resume with "
+                              f"the -e the run was started with")
     model_checksum = formats.model_checksum(path)
     path = state_path(out_dir, step)
     state = formats.read_state(path, model.config.num_parameters)

@@ -62,6 +62,12 @@ class GPT2Config:
         C, L = self.channels, self.num_layers
         return self.padded_vocab_size * C + self.max_seq_len * C + L * (12 * C * C + 13 * C) + 2 * C
 
+    def __str__(self):
+        """The sizes in one short phrase, as a descriptor names them: "d2c64h4 (V 50257 padded to 50304,
+        maxT 1024)"."""
+        return (f"d{self.num_layers}c{self.channels}h{self.num_heads} (V {self.vocab_size} padded to "
+                f"{self.padded_vocab_size}, maxT {self.max_seq_len})")
+
     @property
     def eot(self):
         """The <|endoftext|> id that samples start from, when no tokenizer file names it: GPT-2's is the
