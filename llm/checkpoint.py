@@ -283,11 +283,10 @@ class OutputDir:
                 print(f"WARNING: skipping the damaged checkpoint at step {old}, resuming from step {step}: "
                       f"{e}")
             return found
-        if len(damaged) > 1:
-            raise formats.FormatError(f"{damaged[0][1]}; the {len(damaged) - 1} earlier checkpoint(s) are "
-                                      f"damaged too")
         if damaged:
-            raise damaged[0][1]
+            others = f"; the {len(damaged) - 1} earlier checkpoint(s) are damaged too" if damaged[1:] else ""
+            raise formats.FormatError(f"{damaged[0][1]}{others}: no checkpoint here can be resumed; restore "
+                                      f"the files, or train anew with another -o")
         return 0, 0, None
 
     def log(self, line):

@@ -507,7 +507,9 @@ def test_when_every_checkpoint_is_damaged_the_newest_ones_problem_is_the_line(sh
         zero_payload(shards / "ck" / f"model_{step:08d}.bin")
     proc = run_train(TINY + data_args() + ["-x", "6", "-o", "ck", "-y", "1"], cwd=shards, check=False)
     assert_one_line_error(proc, f"error: {M}: its bytes do not match the checksum it records")
-    assert proc.stderr.strip().endswith("the file is damaged; the 1 earlier checkpoint(s) are damaged too")
+    assert proc.stderr.strip().endswith("the file is damaged; the 1 earlier checkpoint(s) are damaged too: "
+                                        "no checkpoint here can be resumed; restore the files, or train anew "
+                                        "with another -o")
 
 
 def test_resume_with_another_seq_len_or_train_data_is_refused(shards):
