@@ -26,7 +26,7 @@ from llm import formats
 from llm.checkpoint import find_model
 from llm.config import GPT2_VOCAB
 from llm.hf import CONFIG_SIZES, PREFIX, WEIGHTS, hf_views
-from llm.launch import Parser, UserError, install, optional, run
+from llm.launch import Parser, UserError, install, optional, output_dir, run
 from llm.layout import ParamViews
 from llm.tokenizer import ENDOFTEXT, Tokenizer, byte_to_unicode, recover_merges
 
@@ -161,6 +161,7 @@ def main(argv):
     save_file = optional("safetensors.numpy", "weights").save_file
     hub = optional("huggingface_hub", "weights") if args.push else None
     replaced = check_out(args.out)
+    output_dir(args.out)
     path = find_model(args.e)
     config, version = formats.read_model_config(path)   # the header: what the model is, before any large read
     if config.vocab_size != GPT2_VOCAB:

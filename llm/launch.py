@@ -232,9 +232,12 @@ def positive_int(text):
 
 
 def output_dir(path, flag="--out"):
-    """Make `path` a folder this process can write into (creating it and its parents), or raise a UserError
-    naming `flag`: called before any work, so that an output that cannot be written is one line at once,
-    not an error after the work, which names a temporary file. Returns path."""
+    """Check that `path` is a folder this process can write into, or can make and write into, or raise a
+    UserError naming `flag`. Called before any work, so that an output that cannot be written is one line
+    at once, not an error after the work, which names a temporary file; it writes nothing, so a command
+    that then fails leaves nothing behind. Returns path."""
+    if not path:
+        raise UserError(f"{flag} is empty: name a folder")
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"{flag} {path}: exists and is not a folder: name a folder")
     return _writable(path, path, flag)
@@ -242,23 +245,26 @@ def output_dir(path, flag="--out"):
 
 def output_file(path, flag):
     """output_dir for the folder of the file `path`, which must not be a folder itself. Returns path."""
+    if not path:
+        raise UserError(f"{flag} is empty: name a file")
     if os.path.isdir(path):
         raise UserError(f"{flag} {path}: is a folder: name a file")
     return _writable(path, os.path.dirname(os.path.abspath(path)), flag)
 
 
 def _writable(path, folder, flag):
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):   # the nearest folder that is there will hold the ones made
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"{flag} {path}: a part of the path is a file, not a folder: choose another place")
     try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):   # made and removed: what the command will do there
+        with tempfile.TemporaryFile(dir=existing):   # made and removed: what the command will do there
             pass
-    except (FileExistsError, NotADirectoryError):   # a file where a folder of the path should be
-        problem = "a part of the path is a file, not a folder"
     except OSError as e:
-        problem = f"cannot write there ({e.strerror or e})"
-    else:
-        return path
-    raise UserError(f"{flag} {path}: {problem}: choose another place")
+        problem = e.strerror or e
+        raise UserError(f"{flag} {path}: cannot write there ({problem}): choose another place") from None
+    return path
 
 
 class StdoutError(OSError):
