@@ -106,7 +106,7 @@ def test_llmc_flags_with_no_use_here_say_what_to_do_instead(flag, advice):
 
 
 def test_checkpoint_flags_need_an_output_dir():
-    for flag in ("-n", "-y"):
+    for flag in ("-n", "-nk", "-y"):
         with pytest.raises(train_gpt2.UsageError, match=f"{flag} 1 needs -o"):
             train_gpt2.parse_args([flag, "1"])
 
@@ -122,6 +122,8 @@ def test_flags_that_are_fine_pass():
     (["-b", "0"], "error: -b 0: must be positive"),                      # a ZeroDivisionError once
     (["-l", "nan"], "error: -l nan: must be a finite number"),           # all-NaN parameters and exit 0 once
     (["-i", "data/missing.bin"], "no files match -i/-j pattern 'data/missing.bin'"),
+    (["-i", "data"], "-i/-j pattern 'data' matches the folder data: name the shard files in it, as "
+                     "data/*_train.bin"),
     (["-zz", "1"], "unknown flag -zz"),
     (["-b"], "flag -b has no value"),
     (["-o", "-b", "4"], "flag -o has no value, it is followed by the flag -b"),   # "flag 4 has no value" once
