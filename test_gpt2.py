@@ -13,8 +13,9 @@ import os
 import llm   # noqa: F401   first: a missing package is one line naming the venv (llm/__init__.py)
 import numpy as np
 
-from llm import formats, launch
+from llm import formats, launch, memory
 from llm.backends import get_backend
+from llm.backends.numpy_backend import host_memory_available
 from llm.comm import SingleComm
 from llm.config import WEIGHTS_HINT, GPT2Config
 from llm.launch import Parser, UserError
@@ -31,6 +32,9 @@ from reference import gpt2 as ref
 LLMC_LOSSES = [5.270009, 4.060681, 3.320085, 2.717550, 2.181066,
                1.653923, 1.168050, 0.736873, 0.401021, 0.187493]
 LR, STEPS = 1e-4, 10
+# reference_run's float64 copies of the parameters: p, m and v, their next values while adamw_step makes
+# them, and two steps' gradients (the first, kept to compare, and the current one)
+REFERENCE_COPIES = 8
 
 # tolerances: logits, loss, per-step losses, and grads passing |got - want| <= grad_abs + grad_rel * |want|
 TOLERANCES = {
@@ -62,6 +66,19 @@ def reference_run(config, params, x, y, steps):
         scale = 1.0 / norm if norm > 1.0 else 1.0
         p, m, v = ref.adamw_step(p, grads, m, v, step + 1, LR, weight_decay=0.0, grad_scale=scale)
     return first, losses
+
+
+def check_memory(backend, config, B, T):
+    """Refuse in one line, before anything large is allocated, a model whose run here does not fit: the
+    trainer's (llm/memory.py) where the backend computes, the float64 reference on the host."""
+    advice = "use a smaller model"
+    trainer = memory.needed(backend, config, [(B, T)])
+    reference = {"the float64 reference": REFERENCE_COPIES * 8 * config.num_parameters}
+    if backend.xp is np:
+        memory.check({**trainer, **reference}, backend.memory_available(), advice)
+    else:
+        memory.check(trainer, backend.memory_available(), advice)
+        memory.check(reference, host_memory_available(), advice)
 
 
 def trainer_run(config, params, x, y, steps, backend):
@@ -133,7 +150,7 @@ def main(argv):
         if not os.path.exists(args.ds):
             raise formats.FormatError(f"{args.ds}: no such file: python -m data.gpt2 --debug-state writes it "
                                       f"(as llm.c's train_gpt2.py does)")
-        config, params, _ = formats.read_model(args.e)
+        config, _ = formats.read_model_config(args.e)
         state = formats.read_debug_state(args.ds, config)
         x, y = state["x"], state["y"]
         ids = np.concatenate([x.ravel(), y.ravel()])
@@ -143,9 +160,12 @@ def main(argv):
         if x.shape[1] > config.max_seq_len:
             raise formats.FormatError(f"{args.ds}: T={x.shape[1]} exceeds {args.e}'s max_seq_len "
                                       f"{config.max_seq_len}: the debug state of another model?")
+        check_memory(backend, config, *x.shape)
+        params = formats.read_model(args.e)[1]
         print(f"[testing against {args.ds}: B={x.shape[0]} T={x.shape[1]}]")
     else:
         config = GPT2Config.from_descriptor(args.model)
+        check_memory(backend, config, 4, 32)
         params = init_params(config)
         rng = np.random.default_rng(1234)
         x = rng.integers(0, config.vocab_size, (4, 32), dtype=np.int32)

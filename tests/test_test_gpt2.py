@@ -90,3 +90,17 @@ def test_test_gpt2_with_a_model_but_no_debug_state_is_one_line():
     proc = run("-e", "gpt2_124M.bin")
     assert proc.returncode == 1
     assert proc.stderr == "error: -e and -ds go together: a model file and the debug state written with it\n"
+
+
+def test_test_gpt2_refuses_a_model_whose_float64_reference_does_not_fit(monkeypatch):
+    """--model d48's float64 reference needs about 93 GiB of host memory: without the count, the kernel's
+    OOM killer ends the process, which prints nothing."""
+    import test_gpt2
+    from llm.backends import get_backend
+    from llm.memory import NotEnoughMemory
+    backend = get_backend("numpy")
+    monkeypatch.setattr(type(backend), "memory_available", lambda self: 4 << 30)
+    test_gpt2.check_memory(backend, GPT2Config.from_descriptor("d2c64h4"), 4, 32)
+    with pytest.raises(NotEnoughMemory, match=r"the float64 reference 7\.4 GiB, .* and 4\.0 GiB is available: "
+                                              r"use a smaller model"):
+        test_gpt2.check_memory(backend, GPT2Config.from_descriptor("d12"), 4, 32)
