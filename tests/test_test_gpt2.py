@@ -101,6 +101,6 @@ def test_test_gpt2_refuses_a_model_whose_float64_reference_does_not_fit(monkeypa
     backend = get_backend("numpy")
     monkeypatch.setattr(type(backend), "memory_available", lambda self: 4 << 30)
     test_gpt2.check_memory(backend, GPT2Config.from_descriptor("d2c64h4"), 4, 32)
-    with pytest.raises(NotEnoughMemory, match=r"the float64 reference 7\.4 GiB, .* and 4\.0 GiB is available: "
-                                              r"use a smaller model"):
+    with pytest.raises(NotEnoughMemory, match=r"the float64 reference 7\.4 GiB, .* and 4\.0 GiB is "
+                                              r"available: use a smaller model"):
         test_gpt2.check_memory(backend, GPT2Config.from_descriptor("d12"), 4, 32)
