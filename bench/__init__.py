@@ -3,7 +3,9 @@ its time goes), python -m bench.gpu_ops (each GPU op alone), python -m bench.gem
 with every cuBLASLt candidate), python -m bench.torch_gpt2 (PyTorch's step, to compare)."""
 # before any module here imports numpy: a missing package is one line (llm/__init__.py)
 import llm   # noqa: F401
+import argparse
 from importlib.util import find_spec
+import math
 
 from llm.launch import positive_int
 
@@ -19,6 +21,18 @@ def check_length(parser, model, config, T):
     """-t must fit the model's positions (wpe's rows): a longer one is the parser's one-line error."""
     if T > config.max_seq_len:
         parser.error(f"-t {T} is longer than {model}'s {config.max_seq_len} positions")
+
+
+def positive_number(text):
+    """An argparse type: a finite number above 0, where 0, a negative, nan or inf would make every figure
+    compared with it meaningless (a fraction of -5 tok/s, a tolerance of nan)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"needs a finite number above 0, got '{text}'")
+    return value
 
 
 def needs(*packages):

@@ -13,7 +13,7 @@ tokenizer must encode each text as tiktoken does. Exit status 1 if anything diff
 import os
 import tempfile
 
-from bench import needs
+from bench import needs, positive_number
 
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")   # the folder alone, no download
 needs("torch", "transformers")
@@ -71,7 +71,8 @@ def main(argv):
     parser.add_argument("-e", help="a model checkpoint .bin (or a run's -o directory) to check as well")
     parser.add_argument("--vocab", help="GPT-2's BPE ranks, a gpt2.tiktoken file (default: $GPT2_VOCAB, else "
                                         "tiktoken's download)")
-    parser.add_argument("--tol", type=float, default=1e-4, help="the largest logit difference allowed")
+    parser.add_argument("--tol", type=positive_number, default=1e-4,
+                        help="the largest logit difference allowed")
     args = parser.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     tiktoken = Tokenizer(args.vocab)

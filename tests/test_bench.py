@@ -2,9 +2,10 @@
 figure it takes is the time of the steps in a row, and a log without one is one line, not a wrong row;
 nvidia-smi's lines give the peak memory and the median clock and power. The per-op table counts each
 op's time once.
-The benchmarks' counts and lengths are checked before anything runs. bench/kernels.py's report adds up
-the GPU's idle gaps and sets the host's calls beside the longest. bench/gemms.py names the plan of each GEMM
-an op issues (on a stand-in for BlasLt)."""
+The benchmarks' counts and lengths, and the table's logs and figures, are checked before anything
+runs. bench/kernels.py's report adds up the GPU's idle gaps and sets
+the host's calls beside the longest. bench/gemms.py names the plan of each GEMM an op issues (on a stand-in
+for BlasLt)."""
 import os
 import subprocess
 import sys
@@ -91,6 +92,41 @@ def test_a_log_without_steps_in_a_row_is_one_line(tmp_path):
     assert proc.stderr.startswith("left out 'cudnn': ") and proc.stderr.endswith(
         "Its last line: error: --attention cudnn needs cuDNN's Python frontend\n")
     assert [line.split(" | ")[0] for line in proc.stdout.splitlines()[2:]] == ["| torch"]
+
+
+A_LOG = "name a log that bench.step or bench.torch_gpt2 wrote"
+USAGE = " (--help lists the flags)"
+
+
+@pytest.mark.parametrize("args, message", [
+    # once a ZeroDivisionError, after the line that left 'cut' out
+    (["cut=cut.log", "zero=zero.log", "--yardstick", "zero"],
+     "--yardstick zero: zero.log reads 0 tok/s, and there is no ratio to 0: choose another yardstick"),
+    # once a UnicodeDecodeError
+    (["a=binary.log", "--yardstick", "a"], f"binary.log: not a text log (its byte 1 is not UTF-8): {A_LOG}"),
+    (["a=.", "--yardstick", "a"], f".: cannot read it (Is a directory): {A_LOG}"),
+    (["a=garbled.log", "--yardstick", "a"],   # once a ValueError
+     f"garbled.log: '1.2.3 ms/step' in its steps in a row is not a number: {A_LOG}"),
+    # once -20000% and nan%
+    (["a=ok.log", "--yardstick", "a", "--limit", "-5"],
+     f"argument --limit: needs a finite number above 0, got '-5'{USAGE}"),
+    (["a=ok.log", "--yardstick", "a", "--limit", "nan"],
+     f"argument --limit: needs a finite number above 0, got 'nan'{USAGE}"),
+    (["a=ok.log", "--yardstick", "a", "--limit", "0"],   # once no column at all
+     f"argument --limit: needs a finite number above 0, got '0'{USAGE}"),
+    (["ok.log", "--yardstick", "a"], f"argument runs: needs LABEL=LOG, got 'ok.log'{USAGE}"),
+    # once the second row replaced the first
+    (["a=ok.log", "a=zero.log", "--yardstick", "a"],
+     f"the label 'a' is given twice: give each run its own{USAGE}"),
+])
+def test_every_log_and_figure_the_table_reads_is_checked_and_a_bad_one_is_one_line(args, message, tmp_path):
+    (tmp_path / "ok.log").write_text("6 steps in a row: 100.0 ms/step | 640 tok/s\n")
+    (tmp_path / "zero.log").write_text("6 steps in a row: 9000.0 ms/step | 0 tok/s\n")
+    (tmp_path / "garbled.log").write_text("6 steps in a row: 1.2.3 ms/step | 640 tok/s\n")
+    (tmp_path / "cut.log").write_text("warm-up step 1: loss 10.8\n")
+    (tmp_path / "binary.log").write_bytes(b"\x00\x88\x13steps in a row")
+    proc = python(["-m", "bench.table", *args], cwd=tmp_path)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", f"error: {message}\n")
 
 
 @pytest.mark.parametrize("args, message", [
