@@ -7,7 +7,8 @@ import argparse
 from importlib.util import find_spec
 import math
 
-from llm.launch import positive_int
+from llm.backends import gpu_missing
+from llm.launch import UserError, install, positive_int
 
 
 def model_arguments(parser):
@@ -36,9 +37,29 @@ def positive_number(text):
 
 
 def needs(*packages):
-    """Stop with one line unless these packages, which a yardstick needs and the project never does (torch,
-    transformers), are installed. A yardstick calls it as it loads, before it imports them."""
+    """Stop with one line unless these packages, which some benchmarks need and the project never does
+    (torch, transformers), are installed. Such a module calls it as it loads, before it imports them."""
     missing = [name for name in packages if find_spec(name) is None]
     if missing:
-        raise SystemExit(f"error: this yardstick needs {' and '.join(missing)} (pip install "
-                         f"{' '.join(missing)}), which the project itself never needs")
+        raise SystemExit(f"error: this needs {' and '.join(missing)} (pip install {' '.join(missing)}), "
+                         "which the project itself never needs")
+
+
+ON_A_GPU = "this benchmark runs on a CUDA GPU"   # and has no CPU to fall back on, unlike bench.step
+
+
+def needs_gpu():
+    """Stop with one line unless cupy imports and sees a CUDA GPU (as llm.backends.gpu_missing decides).
+    Call it before importing llm.backends.cupy_backend, which loads cuBLAS."""
+    if gpu_missing() is None:
+        return
+    if find_spec("cupy") is None:
+        raise UserError(f"{ON_A_GPU}, through cupy: {install('gpu')} (or cupy-cuda13x) on a machine with one")
+    raise UserError(f"{ON_A_GPU}, and cupy finds none usable here: run it on a machine with one")
+
+
+def needs_torch_gpu(torch):
+    """Stop with one line unless torch sees a CUDA GPU (a CPU build of torch never does)."""
+    if not torch.cuda.is_available():
+        raise UserError(f"{ON_A_GPU}, and torch {torch.__version__} finds none usable here: run it on a "
+                        "machine with one, with a CUDA build of torch")

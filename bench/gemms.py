@@ -14,18 +14,12 @@ step.
 """
 import contextlib
 
-from bench import check_length, model_arguments
-from llm.backends import BackendError, gpu_missing
+import numpy as np
+
+from bench import check_length, model_arguments, needs_gpu
+from bench.gpu_ops import SPIN, time_op
 from llm.config import GPT2Config
 from llm.launch import Parser, positive_int, run
-
-try:
-    import cupy
-    import numpy as np
-    from bench.gpu_ops import SPIN, time_op
-    from llm.backends.cupy_backend import CupyBackend
-except ImportError:   # main() says so in one line
-    cupy = None
 
 KIND = {("T", "N"): "forward", ("N", "N"): "dinp", ("N", "T"): "dweight"}   # by (transa, transb)
 
@@ -62,8 +56,10 @@ def main(argv):
     args = parser.parse_args(argv)
     config = GPT2Config.from_descriptor(args.model)
     check_length(parser, args.model, config, args.t)
-    if missing := gpu_missing():
-        raise BackendError(missing)
+    needs_gpu()
+    # once a GPU is known: cupy may be missing, and the backend loads cuBLAS as it is imported
+    import cupy
+    from llm.backends.cupy_backend import CupyBackend
     be = CupyBackend("bf16")
     spin = cupy.RawKernel(SPIN, "spin")
     rng = cupy.random.default_rng(0)

@@ -11,17 +11,15 @@ import statistics
 
 import numpy as np
 
-from llm.backends import BackendError, gpu_missing
+from bench import needs_gpu
 from llm.config import GPT2Config
 from llm.launch import Parser, positive_int, run
+from reference.adamw import BETA1, BETA2, EPS
 
 try:
     import cupy
-    from llm.backends.attention import FlashAttention
-    from llm.backends.cupy_backend import CupyBackend
-except ImportError:   # main() says so in one line
+except ImportError:   # needs_gpu() says so in one line
     cupy = None
-from reference.adamw import BETA1, BETA2, EPS
 
 SPIN = r'''
 extern "C" __global__ void spin(long long cycles) {
@@ -51,8 +49,9 @@ def main(argv):
     parser.add_argument("--reps", type=positive_int, default=20)
     parser.add_argument("--B", type=positive_int, default=8)
     args = parser.parse_args(argv)
-    if missing := gpu_missing():
-        raise BackendError(missing)
+    needs_gpu()
+    from llm.backends.attention import FlashAttention   # only once a GPU is known: these load cuBLAS
+    from llm.backends.cupy_backend import CupyBackend
 
     be = CupyBackend(args.precision)
     d12 = GPT2Config()

@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 
-from bench import check_length, model_arguments, needs
+from bench import check_length, model_arguments, needs, needs_gpu, needs_torch_gpu
 from bench.step import ADVICE
 from llm import memory
-from llm.backends import BackendError, get_backend, gpu_missing
+from llm.backends import get_backend
 from llm.comm import SingleComm
 from llm.config import GPT2Config
 from llm.launch import Parser, positive_int, run
@@ -93,8 +93,7 @@ def report(prof, steps, label, top):
 
 
 def ours(args):
-    if missing := gpu_missing():
-        raise BackendError(missing)
+    needs_gpu()
     backend = get_backend("cupy", "bf16", attention=args.attention, cuda_graph=True)
     config = GPT2Config.from_descriptor(args.model)
     memory.check(memory.needed(backend, config, [(args.b, args.t)], 1), backend.memory_available(), ADVICE)
@@ -143,6 +142,7 @@ def main(argv):
     parser.add_argument("--top", type=positive_int, default=25, help="kernels to list")
     args = parser.parse_args(argv)
     check_length(parser, args.model, GPT2Config.from_descriptor(args.model), args.t)
+    needs_torch_gpu(torch)   # the profiler records CUDA kernels through torch's CUDA build, for either step
     run_steps, label = (theirs if args.torch else ours)(args)
     run_steps(4)   # compiles, plans the GEMMs, records the graphs
     t0 = time.perf_counter()

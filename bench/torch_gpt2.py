@@ -15,7 +15,7 @@ and power.
 """
 import time
 
-from bench import check_length, model_arguments, needs
+from bench import check_length, model_arguments, needs, needs_torch_gpu
 from bench.gpu_sampler import GpuSampler
 from llm.config import GPT2Config
 from llm.launch import Parser, UserError, positive_int, run
@@ -79,6 +79,7 @@ def main(argv):
     args = parser.parse_args(argv)
     config = GPT2Config.from_descriptor(args.model)
     check_length(parser, args.model, config, args.t)
+    needs_torch_gpu(torch)
     torch.manual_seed(0)
     model = GPT(config).cuda()
     model.sliced = args.loss == "sliced"

@@ -74,13 +74,13 @@ def handlers_installed(proc, timeout=60):
 
 @pytest.fixture(scope="module")
 def site_packages_but(tmp_path_factory):
-    """-> f(package): a folder that holds this interpreter's site-packages as links, all but `package`'s."""
+    """-> f(*packages): a folder that holds this interpreter's site-packages as links, all but `packages`'."""
     purelib = sysconfig.get_paths()["purelib"]
 
-    def without(package):
-        folder = tmp_path_factory.mktemp(f"without_{package}")
+    def without(*packages):
+        folder = tmp_path_factory.mktemp(f"without_{'_'.join(packages)}")
         for name in os.listdir(purelib):
-            if name.split("-")[0].split(".")[0] != package:   # numpy, numpy-2.4.6.dist-info, numpy.libs
+            if name.split("-")[0].split(".")[0] not in packages:   # numpy, numpy-2.4.6.dist-info, numpy.libs
                 os.symlink(os.path.join(purelib, name), folder / name)
         return folder
     return without
@@ -100,6 +100,47 @@ def test_every_command_run_by_a_python_without_a_package_says_to_use_the_venv(co
     assert proc.returncode == 1
     assert proc.stderr == (f"error: {sys.executable} has no {package}: run the commands with "
                            f".venv/bin/python (`make setup` creates it)\n")
+
+
+# what a machine without a GPU may hold: cupy that finds no GPU, torch built for the CPU; and transformers'
+# names, which hf_check imports before it reads its flags
+STAND_INS = {"cupy": {"cupy/__init__.py": "class cuda:\n    is_available = staticmethod(lambda: False)\n"},
+             "torch": {"torch/__init__.py": ('__version__ = "2.9.0+cpu"\n\n\nclass cuda:\n'
+                                             "    is_available = staticmethod(lambda: False)\n"),
+                       "torch/nn/__init__.py": "Module = object\n", "torch/nn/functional.py": "",
+                       "torch/profiler.py": "ProfilerActivity = profile = None\n"},
+             "transformers": {"transformers/__init__.py": "AutoTokenizer = GPT2LMHeadModel = None\n"}}
+ON_A_GPU = "this benchmark runs on a CUDA GPU"
+NO_CUPY = f'{ON_A_GPU}, through cupy: pip install -e ".[gpu]" (or cupy-cuda13x) on a machine with one'
+NO_GPU = f"{ON_A_GPU}, and cupy finds none usable here: run it on a machine with one"
+NO_TORCH = "this needs torch (pip install torch), which the project itself never needs"
+CPU_TORCH = (f"{ON_A_GPU}, and torch 2.9.0+cpu finds none usable here: run it on a machine with one, with a "
+             "CUDA build of torch")
+
+
+@pytest.mark.parametrize("args, stand_ins, message", [
+    # once "..., or use --backend numpy", a flag they do not have
+    (["bench.gemms"], (), NO_CUPY), (["bench.gpu_ops"], (), NO_CUPY),
+    (["bench.gemms"], ("cupy",), NO_GPU), (["bench.gpu_ops"], ("cupy",), NO_GPU),
+    (["bench.kernels"], ("torch",), CPU_TORCH),   # once a traceback, or cupy's line with --backend numpy
+    (["bench.kernels"], (), NO_TORCH), (["bench.torch_gpt2"], (), NO_TORCH),
+    (["bench.torch_gpt2"], ("torch",), CPU_TORCH),   # once a traceback
+    (["bench.hf_check"], (), "this needs torch and transformers (pip install torch transformers), which the "
+                             "project itself never needs"),
+    (["bench.hf_check", "--tol", "-1"], ("torch", "transformers"),   # once every check NOT OK
+     "argument --tol: needs a finite number above 0, got '-1' (--help lists the flags)"),
+])
+def test_every_benchmark_of_the_gpu_or_of_torch_says_in_one_line_what_this_machine_lacks(
+        args, stand_ins, message, site_packages_but, tmp_path):
+    """Run with none of cupy, torch and transformers but the stand-ins for them that a test names."""
+    for package in stand_ins:
+        for name, text in STAND_INS[package].items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_text(text)
+    path = os.pathsep.join([REPO, str(tmp_path), str(site_packages_but(*STAND_INS))])
+    proc = subprocess.run([sys.executable, "-S", "-m", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**env(), "PYTHONPATH": path})
+    assert (proc.returncode, proc.stderr) == (1, f"error: {message}\n")
 
 
 HELP_ELSEWHERE = ("train_gpt2.py", "bench.torch_gpt2", "bench.kernels")   # see the docstring below
