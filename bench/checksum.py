@@ -19,7 +19,7 @@ import xxhash
 
 from llm import formats
 from llm.config import GPT2Config
-from llm.launch import Parser, positive_int, run
+from llm.launch import Parser, output_dir, positive_int, run
 from llm.weight_init import init_params
 
 
@@ -41,6 +41,9 @@ def main(argv):
     parser.add_argument("--repeats", type=positive_int, default=3)
     args = parser.parse_args(argv)
     config = GPT2Config.from_descriptor(args.model)
+    # the files go in a temporary folder made there: checked first, so that a place that cannot be written is
+    # one line naming --dir, not a failed write naming that folder
+    place = output_dir(args.dir or tempfile.gettempdir(), "--dir")
     P = config.num_parameters
     params = init_params(config)
     rng = np.random.default_rng(0)
@@ -50,7 +53,7 @@ def main(argv):
     buffers = [m, v] if master is None else [m, v, master]
     print(f"{args.model}: {P:,} parameters; xxhash {xxhash.VERSION} (xxHash {xxhash.XXHASH_VERSION})")
 
-    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+    with tempfile.TemporaryDirectory(dir=place) as directory:
         model, state = os.path.join(directory, "model.bin"), os.path.join(directory, "state.bin")
         rows = [
             ("model (fp32)", model, [params],

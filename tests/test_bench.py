@@ -2,8 +2,8 @@
 figure it takes is the time of the steps in a row, and a log without one is one line, not a wrong row;
 nvidia-smi's lines give the peak memory and the median clock and power. The per-op table counts each
 op's time once.
-The benchmarks' counts and lengths, and the table's logs and figures, are checked before anything
-runs. bench/kernels.py's report adds up the GPU's idle gaps and sets
+The benchmarks' counts and lengths, the table's logs and figures and the checksum's folder are checked
+before anything runs. bench/kernels.py's report adds up the GPU's idle gaps and sets
 the host's calls beside the longest. bench/gemms.py names the plan of each GEMM an op issues (on a stand-in
 for BlasLt)."""
 import os
@@ -127,6 +127,15 @@ def test_every_log_and_figure_the_table_reads_is_checked_and_a_bad_one_is_one_li
     (tmp_path / "binary.log").write_bytes(b"\x00\x88\x13steps in a row")
     proc = python(["-m", "bench.table", *args], cwd=tmp_path)
     assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", f"error: {message}\n")
+
+
+def test_a_checksum_folder_that_cannot_be_written_is_one_line_naming_dir_before_any_work(tmp_path):
+    """Once the line came after the parameters were made, and named the temporary folder made inside."""
+    (tmp_path / "file").write_text("")
+    place = tmp_path / "file" / "checksums"
+    proc = python(["-m", "bench.checksum", "--model", "d2c64h4", "--dir", str(place)], cwd=REPO)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        1, "", f"error: --dir {place}: a part of the path is a file, not a folder: choose another place\n")
 
 
 @pytest.mark.parametrize("args, message", [
