@@ -1,18 +1,33 @@
 #!/usr/bin/env bash
 # One pass on a GPU machine: versions, the backend's op checks, test_gpt2 in fp32 and bf16, and the d12
 # throughput benchmark beside torch.compile's. Logs go to $OUT (or ./gpu_logs).
-# Usage: bash bench/gpu_check.sh [stage ...]
-# stages: env attn ops test opsbench gemms table kernels ab bench small torch d48 d48max zero train mpi ckpt hf
-# (default: env ops test table). ab compares this tree with the one in $BASELINE (say, `git archive
-# COMMIT | tar -x -C DIR`), steps in a row, alternating, with each one's per-op table: d12 B=64, 20 steps,
-# unless AB_ARGS says otherwise (AB_ARGS="--model d48 -b 16 --steps 6").
+# Usage: bash bench/gpu_check.sh [stage ...], each one of STAGES below (default: env ops test table).
+# ab compares this tree with the one in $BASELINE (say, `git archive COMMIT | tar -x -C DIR`), steps in a
+# row, alternating, with each one's per-op table: d12 B=64, 20 steps, unless AB_ARGS says otherwise
+# (AB_ARGS="--model d48 -b 16 --steps 6").
 set -u
-OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
+STAGES="env attn ops test opsbench gemms table kernels ab bench small torch d48 d48max zero train mpi ckpt hf"
+stages=${*:-env ops test table}
+# every stage named, and what the stages need, checked before the first runs: a mistake in the last of a
+# long list stops the pass before it starts, not after an hour of GPU time
+for stage in $stages; do
+  case " $STAGES " in
+  *" $stage "*) ;;
+  *) echo "error: unknown stage '$stage': choose from $STAGES" >&2; exit 1 ;;
+  esac
+done
+case " $stages " in
+*" ab "*) [ -d "${BASELINE:-}/llm" ] || {
+  echo "error: stage ab needs BASELINE=DIR, a tree of the project (git archive COMMIT | tar -x -C DIR)" >&2
+  exit 1; } ;;
+esac
+OUT=${OUT:-gpu_logs}
+mkdir -p "$OUT" 2>/dev/null && [ -w "$OUT" ] ||
+  { echo "error: OUT=$OUT: cannot write there: choose another folder" >&2; exit 1; }
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache} \
   PATH=$PATH:/usr/local/cuda/bin
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
 TS="-i data/tinyshakespeare/tiny_shakespeare_train.bin -j data/tinyshakespeare/tiny_shakespeare_val.bin"
-stages=${*:-env ops test table}
 for stage in $stages; do
   echo "=== $stage"
   case $stage in
@@ -87,7 +102,6 @@ print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVers
     timeout 400 python3 -m bench.kernels --torch --top 12 2>&1 | tee "$OUT/kernels_torch.log" |
       grep -v -i warn ;;
   ab)      # a lever before and after: this tree against $BASELINE's, alternating twice, in one call
-    [ -d "${BASELINE:-}/llm" ] || { echo "ab needs BASELINE=DIR, a tree of the project"; continue; }
     for round in 1 2; do
       for side in after before; do
         dir=.; [ $side = before ] && dir=$BASELINE

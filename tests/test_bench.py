@@ -2,11 +2,12 @@
 figure it takes is the time of the steps in a row, and a log without one is one line, not a wrong row;
 nvidia-smi's lines give the peak memory and the median clock and power. The per-op table counts each
 op's time once.
-The benchmarks' counts and lengths, the table's logs and figures and the checksum's folder are checked
-before anything runs. bench/kernels.py's report adds up the GPU's idle gaps and sets
+The benchmarks' counts and lengths, the table's logs and figures, the checksum's folder and gpu_check.sh's
+stages are checked before anything runs. bench/kernels.py's report adds up the GPU's idle gaps and sets
 the host's calls beside the longest. bench/gemms.py names the plan of each GEMM an op issues (on a stand-in
 for BlasLt)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -136,6 +137,25 @@ def test_a_checksum_folder_that_cannot_be_written_is_one_line_naming_dir_before_
     proc = python(["-m", "bench.checksum", "--model", "d2c64h4", "--dir", str(place)], cwd=REPO)
     assert (proc.returncode, proc.stdout, proc.stderr) == (
         1, "", f"error: --dir {place}: a part of the path is a file, not a folder: choose another place\n")
+
+
+GPU_CHECK = os.path.join(REPO, "bench", "gpu_check.sh")
+STAGES = re.search(r'^STAGES="(.+)"$', open(GPU_CHECK).read(), re.M).group(1)
+
+
+@pytest.mark.parametrize("stages, variables, message", [
+    (["env", "nosuch"], {}, f"unknown stage 'nosuch': choose from {STAGES}"),   # once ran env, then exit 0
+    (["env", "ab"], {"BASELINE": "."},
+     "stage ab needs BASELINE=DIR, a tree of the project (git archive COMMIT | tar -x -C DIR)"),
+    (["env"], {"OUT": "file/logs"}, "OUT=file/logs: cannot write there: choose another folder"),
+])
+def test_gpu_check_checks_every_stage_and_what_it_needs_before_running_any(stages, variables, message,
+                                                                          tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = subprocess.run(["bash", GPU_CHECK, *stages], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env={**env(), "OUT": "logs", **variables})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", f"error: {message}\n")
+    assert sorted(os.listdir(tmp_path)) == ["file"]   # no log folder made
 
 
 @pytest.mark.parametrize("args, message", [
