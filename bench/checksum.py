@@ -53,6 +53,7 @@ def main(argv):
     buffers = [m, v] if master is None else [m, v, master]
     print(f"{args.model}: {P:,} parameters; xxhash {xxhash.VERSION} (xxHash {xxhash.XXHASH_VERSION})")
 
+    os.makedirs(place, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=place) as directory:
         model, state = os.path.join(directory, "model.bin"), os.path.join(directory, "state.bin")
         rows = [
