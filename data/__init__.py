@@ -8,6 +8,7 @@ import urllib.request
 
 from llm import formats
 from llm.launch import Parser, UserError
+from llm.tokenizer import VOCAB_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_HINT = "pass --input PATH to a local copy"   # what a failed download says to do
@@ -17,17 +18,45 @@ class PrepError(UserError):
     """A missing or malformed source, or no network: one line naming the file or URL and the problem."""
 
 
+class ScriptParser(Parser):
+    """The scripts' Parser: a path flag left out takes the path in its environment variable, checked here,
+    so that a wrong one is one line naming the variable, which the user may have forgotten setting, rather
+    than the flag, which they never gave."""
+
+    def __init__(self, env_paths, **kwargs):
+        super().__init__(**kwargs)
+        self.env_paths = env_paths   # {flag's dest: variable}
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for dest, variable in self.env_paths.items():
+            if getattr(parsed, dest) is None:
+                setattr(parsed, dest, env_path(variable, f"--{dest}"))
+        return parsed
+
+
+def env_path(variable, flag):
+    """The path in $variable, None when it is unset or empty; one that names no readable file is a PrepError
+    saying to fix or unset the variable, or to pass `flag`."""
+    path = os.environ.get(variable) or None
+    if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+        problem = "not a readable file" if os.path.exists(path) else "no such file"
+        raise PrepError(f"{variable}={path}: {problem}: fix {variable} or unset it (or pass {flag} PATH)")
+    return path
+
+
 def arguments(description, url, out, input_env=None, input_help="the source file", nargs=None, out_help=None):
-    """A parser with the flags every script takes: --input (else $input_env, else `url`), --vocab, --out.
+    """A parser with the flags every script takes: --input (else $input_env, else `url`), --vocab (else
+    $GPT2_VOCAB, else tiktoken's download), --out.
 
     `out` is the default output directory relative to the repo ("" for the repo root), or None when the
     script works it out from other flags after parsing (out_help then says how). nargs="+" lets --input
     take several paths."""
     default = f"${input_env}, else a download" if input_env else "a download"
-    parser = Parser(description=description)
-    parser.add_argument("--input", default=input_env and os.environ.get(input_env), nargs=nargs,
-                        help=f"{input_help} (default: {default} of {url})")
-    parser.add_argument("--vocab", help="GPT-2's BPE ranks, a gpt2.tiktoken file (default: $GPT2_VOCAB, "
+    env_paths = {"input": input_env, "vocab": VOCAB_ENV} if input_env else {"vocab": VOCAB_ENV}
+    parser = ScriptParser(env_paths, description=description)
+    parser.add_argument("--input", nargs=nargs, help=f"{input_help} (default: {default} of {url})")
+    parser.add_argument("--vocab", help=f"GPT-2's BPE ranks, a gpt2.tiktoken file (default: ${VOCAB_ENV}, "
                                         "else tiktoken's download)")
     parser.add_argument("--out", default=None if out is None else os.path.join(REPO, out),
                         help=f"output directory (default: {out_help or out or 'the repo root'})")

@@ -11,13 +11,14 @@ needs_vocab = pytest.mark.skipif(not os.path.exists(VOCAB), reason=f"GPT-2 ranks
                                  "(set GPT2_VOCAB to a gpt2.tiktoken file)")
 
 
-def run_script(name, args, cwd, block=()):
-    """Run python -m data.<name> with `args` in `cwd`; `block` names packages it must see as not installed."""
+def run_script(name, args, cwd, block=(), environ=None):
+    """Run python -m data.<name> with `args` in `cwd`; `block` names packages it must see as not installed,
+    and `environ` holds environment variables to set for it."""
     code = (f"import runpy, sys; sys.modules.update(dict.fromkeys({list(block)!r})); "   # None: import fails
             f"sys.argv[1:] = {list(map(str, args))!r}; "
             f"runpy.run_module('data.{name}', run_name='__main__', alter_sys=True)")
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env(), capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env={**env(), **(environ or {})},
+                          capture_output=True, text=True, timeout=120)
 
 
 def assert_one_line_error(proc, *problems):

@@ -144,6 +144,22 @@ def test_missing_vocab_is_one_line_and_exit_1(tmp_path):
     assert proc.stderr == f"error: {missing}: no such file: {hint}\n"
 
 
+@pytest.mark.parametrize("script, variable, flag", [
+    ("tinyshakespeare", "TINYSHAKESPEARE", "--input"), ("tinyshakespeare", "GPT2_VOCAB", "--vocab"),
+    ("hellaswag", "GPT2_VOCAB", "--vocab"), ("fineweb", "GPT2_VOCAB", "--vocab"),
+    ("gpt2", "GPT2_VOCAB", "--vocab"),
+])
+def test_a_path_from_an_environment_variable_that_names_no_file_is_one_line_naming_it(tmp_path, script,
+                                                                                       variable, flag):
+    """Once "error: missing: no such file: pass --vocab PATH ... or set GPT2_VOCAB", which was set, and for
+    TINYSHAKESPEARE no word of where the path came from."""
+    missing = tmp_path / "missing"
+    proc = run_script(script, ["--out", tmp_path / "out"], cwd=tmp_path, environ={variable: str(missing)})
+    assert_one_line_error(proc, f"error: {variable}={missing}: no such file: fix {variable} or unset it (or "
+                                f"pass {flag} PATH)\n")
+    assert os.listdir(tmp_path) == []
+
+
 HELLASWAG = [
     {"ind": 24, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.",
      "ctx_b": "he",
