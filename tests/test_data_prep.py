@@ -1,5 +1,5 @@
 """GPT-2 BPE and the data scripts: tiny Shakespeare shards identical to llm.c's, gpt2_tokenizer.bin,
-HellaSwag.
+HellaSwag, and what every script refuses.
 
 Needs the local GPT-2 ranks and corpus: $GPT2_VOCAB and $TINYSHAKESPEARE, else ../shared/data beside the
 repo."""
@@ -210,3 +210,23 @@ def test_hellaswag_bad_line_names_the_line(tmp_path):
     proc = run_script("hellaswag", args, cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr == f"error: {jsonl} line 2: not a HellaSwag example (KeyError: 'endings')\n"
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ('{"n_head": 1e999}', "n_head is Infinity"),    # once an OverflowError traceback from int()
+    ('{"n_head": 0}', "n_head is 0"),               # once C / 64 heads, in a file named for them
+    ('{"n_head": 4.7}', "n_head is 4.7"),           # once 4 heads
+    ('{"n_head": 4, "n_layer": "1"}', 'n_layer is "1"'),
+])
+def test_a_config_json_size_that_is_not_a_positive_integer_is_one_line_naming_it(tmp_path, fields, problem):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    model = tmp_path / "model"
+    model.mkdir()
+    tensors = {"wte.weight": (10, 8), "wpe.weight": (4, 8), "h.0.ln_1.weight": (8,)}   # L=1, C=8, V=10
+    safetensors_numpy.save_file({name: np.zeros(shape, np.float32) for name, shape in tensors.items()},
+                                str(model / "model.safetensors"))
+    (model / "config.json").write_text(fields)
+    proc = run_script("gpt2", ["--input", model, "--out", tmp_path / "out"], cwd=tmp_path)
+    assert_one_line_error(proc, f"error: {model / 'config.json'}: {problem}, not an integer of 1 or more: "
+                                f"correct it in the file\n")
+    assert sorted(os.listdir(tmp_path)) == ["model"]
