@@ -1,13 +1,14 @@
-"""What the data preparation scripts share: their common flags, reading the source text from a local file
-or a download, and writing shards. Each script runs as a module from the repository's
-root (python -m data.tinyshakespeare) through llm.launch.run, which prints a user's mistake as one line."""
-from contextlib import contextmanager
+"""What the data preparation scripts share: their common flags, checking the places they write (and emptying
+them of what a run that fails wrote), reading the source text from a local file or a download, and writing
+shards. Each script runs as a module from the repository's root (python -m data.tinyshakespeare) through
+llm.launch.run, which prints a user's mistake as one line."""
+from contextlib import contextmanager, suppress
 import io
 import os
 import urllib.request
 
 from llm import formats
-from llm.launch import Parser, UserError
+from llm.launch import Parser, UserError, output_dir, output_file
 from llm.tokenizer import VOCAB_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +62,52 @@ def arguments(description, url, out, input_env=None, input_help="the source file
     parser.add_argument("--out", default=None if out is None else os.path.join(REPO, out),
                         help=f"output directory (default: {out_help or out or 'the repo root'})")
     return parser
+
+
+@contextmanager
+def outputs(out, *files):
+    """The places a script writes, the --out folder `out` and each (flag, path) of `files`, checked with
+    output_dir and output_file before any work: one that cannot be written is one line at once, not an
+    error naming a temporary file once the work is done. Yields a list, to which the script adds each file
+    once it is written, where more work follows. A run that fails (a bad input found half way, a full disk,
+    Ctrl-C) removes those files and the folders the check made, so that it leaves nothing behind and can be
+    run again; files it did not write stay."""
+    folders = [os.path.abspath(out), *(os.path.dirname(os.path.abspath(path)) for _, path in files)]
+    made = [(folder, first_missing(folder)) for folder in folders]   # before output_dir makes them
+    written = []
+    try:
+        output_dir(out)
+        for flag, path in files:
+            output_file(path, flag)
+        yield written
+    except BaseException:
+        for path in written:
+            with suppress(OSError):   # the error that stopped the run is the one to report
+                os.remove(path)
+        for folder, top in made:
+            remove_made(folder, top)
+        raise
+
+
+def first_missing(folder):
+    """The outermost folder on the way to `folder` that does not exist yet, None if it exists: output_dir
+    makes it and those below it."""
+    missing = None
+    while not os.path.exists(folder):
+        folder, missing = os.path.dirname(folder), folder
+    return missing
+
+
+def remove_made(folder, top):
+    """Remove `folder` and its parents up to `top`, which first_missing found, while they are empty."""
+    while top and len(folder) >= len(top):   # (folder is top or below it)
+        try:
+            os.rmdir(folder)
+        except FileNotFoundError:   # makedirs stopped above it
+            pass
+        except OSError:   # not empty: it holds what this run did not write
+            return
+        folder = os.path.dirname(folder)
 
 
 @contextmanager

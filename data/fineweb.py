@@ -8,9 +8,10 @@ Every document becomes EOT (50256) followed by its tokens, and the documents go 
 into shards of --shard_size tokens (10^8 by default, as llm.c); a document can straddle two shards.
 Shard 0 is the val split, the rest the train split, as llm.c's dev/data/fineweb.py writes them, so
 train_gpt2.py reads them with -i "data/fineweb10B/fineweb_train_*.bin" -j "data/fineweb10B/fineweb_val_*.bin".
-What cannot train is refused in one line, before a shard is written: a corpus too small for one train
-shard, an --out that already holds shards of the prefix, an input without documents or with a "text"
-that is not a string.
+What cannot train is refused in one line: a corpus too small for one train shard, an --out that already
+holds shards of the prefix, an input without documents or with a "text" that is not a string. The inputs
+are read once, as they are tokenized, so a bad one may be found after some shards are written: a run that
+fails removes the shards it wrote (never an earlier run's), so that it leaves none and can be run again.
 
 Tokenizing runs on --workers processes; the documents come back in their order, so the shards are
 the same whatever the number of workers. Local files: .txt is one document, .jsonl one document per
@@ -26,7 +27,7 @@ import re
 
 import numpy as np
 
-from data import (REPO, PrepError, arguments, first_line, quiet_hub_retries, read_text, reading,
+from data import (REPO, PrepError, arguments, first_line, outputs, quiet_hub_retries, read_text, reading,
                   write_shard)
 from llm import formats
 from llm.launch import optional, run, worker_signals
@@ -171,14 +172,15 @@ class Shards:
     <prefix>_train_000001.bin, ... An `out` that already holds shards of the prefix is refused: the new
     shards would replace some of an earlier run's and leave the others, to be trained on with them."""
 
-    def __init__(self, out, prefix, size):
+    def __init__(self, out, prefix, size, written):
         name = re.compile(rf"{re.escape(prefix)}_(?:val|train)_\d{{6}}\.bin")
-        earlier = sorted(filter(name.fullmatch, os.listdir(out))) if os.path.isdir(out) else []
+        earlier = sorted(filter(name.fullmatch, os.listdir(out)))
         if earlier:
             raise PrepError(f"--out {out} holds {len(earlier)} shards of an earlier run ({earlier[0]}"
                             f"{', ...' if len(earlier) > 1 else ''}), which the new ones would mix with: "
                             f"delete them ({os.path.join(out, prefix)}_*.bin), or choose another --out")
         self.out, self.prefix, self.size = out, prefix, size
+        self.written = written   # the shards written so far, which a run that fails removes (data.outputs)
         self.buffer = np.empty(size, dtype=np.uint16)
         self.filled = 0      # tokens in buffer
         self.index = 0       # of the shard being filled
@@ -203,9 +205,9 @@ class Shards:
             self.bar.close()
             self.bar = None
         split = "val" if self.index == 0 else "train"
-        os.makedirs(self.out, exist_ok=True)
         path = os.path.join(self.out, f"{self.prefix}_{split}_{self.index:06d}.bin")
         write_shard(path, self.buffer[:self.filled])
+        self.written.append(path)
         self.index += 1
         self.filled = 0
 
@@ -229,33 +231,34 @@ def main(argv):
         raise PrepError(f"--workers {args.workers}: give at least 1")
     dataset, prefix = TYPES[args.type]
     out = args.out or os.path.join(REPO, "data", f"{prefix}{args.version}")
-    if args.input:
-        documents = local_documents(args.input)
-    else:
-        optional("datasets", "data")
-    load_tokenizer(args.vocab)   # here first, so a bad --vocab is one line rather than failing workers
-    shards = Shards(out, prefix, args.shard_size)
-    # the workers start before the stream opens: the stream's threads are not forked into them
-    with Pool(args.workers, start_worker, (args.vocab,)) if args.workers > 1 else nullcontext() as pool:
-        if not args.input:
-            documents = fineweb_documents(dataset, args.version)
-        # imap returns the results in the documents' order, however the workers interleave
-        tokenized = pool.imap(tokenize, documents, CHUNKSIZE) if pool else map(tokenize, documents)
-        ndocs = ntokens = 0
-        try:
-            for tokens in tokenized:
-                shards.add(tokens)
-                ndocs, ntokens = ndocs + 1, ntokens + len(tokens)
-        finally:   # a stream that breaks: its error line goes below the progress bar, not into it
-            if shards.bar:
-                shards.bar.close()
-    if ndocs == 0:   # (a local file without documents is refused as it is read)
-        raise PrepError(f"no documents in {dataset}")
-    if shards.index == 0:   # all of them in shard 0, the val split, which is not written yet
-        raise PrepError(f"{ntokens:,} tokens fill only shard 0, the val split, at --shard_size "
-                        f"{args.shard_size:,}: there would be no train shard; use a smaller --shard_size, "
-                        f"such as {max(ntokens // 10, 1):,} (a tenth of them)")
-    shards.write()
+    with outputs(out) as written:
+        if args.input:
+            documents = local_documents(args.input)
+        else:
+            optional("datasets", "data")
+        load_tokenizer(args.vocab)   # here first, so a bad --vocab is one line rather than failing workers
+        shards = Shards(out, prefix, args.shard_size, written)
+        # the workers start before the stream opens: the stream's threads are not forked into them
+        with Pool(args.workers, start_worker, (args.vocab,)) if args.workers > 1 else nullcontext() as pool:
+            if not args.input:
+                documents = fineweb_documents(dataset, args.version)
+            # imap returns the results in the documents' order, however the workers interleave
+            tokenized = pool.imap(tokenize, documents, CHUNKSIZE) if pool else map(tokenize, documents)
+            ndocs = ntokens = 0
+            try:
+                for tokens in tokenized:
+                    shards.add(tokens)
+                    ndocs, ntokens = ndocs + 1, ntokens + len(tokens)
+            finally:   # a stream that breaks: its error line goes below the progress bar, not into it
+                if shards.bar:
+                    shards.bar.close()
+        if ndocs == 0:   # (a local file without documents is refused as it is read)
+            raise PrepError(f"no documents in {dataset}")
+        if shards.index == 0:   # all of them in shard 0, the val split, which is not written yet
+            raise PrepError(f"{ntokens:,} tokens fill only shard 0, the val split, at --shard_size "
+                            f"{args.shard_size:,}: there would be no train shard; use a smaller "
+                            f"--shard_size, such as {max(ntokens // 10, 1):,} (a tenth of them)")
+        shards.write()
     print(f"tokenized {ndocs:,} documents: {ntokens:,} tokens in {shards.index} shards in {out}")
 
 

@@ -28,7 +28,7 @@ import re
 
 import numpy as np
 
-from data import REPO, PrepError, arguments, first_line, quiet_hub_retries
+from data import REPO, PrepError, arguments, first_line, outputs, quiet_hub_retries
 from llm import formats, memory
 from llm.backends.numpy_backend import host_memory_available
 from llm.config import DEPTHS, ConfigError, GPT2Config, padded_vocab
@@ -249,28 +249,30 @@ def main(argv):
     args = parser.parse_args(argv)
     if args.heads is not None and args.heads < 1:
         raise PrepError(f"--heads {args.heads}: a model has at least 1 head")
-    if args.input:
-        model = args.model
-        path, config_json = locate(args.input)
-    else:
-        model = args.model or "gpt2"
-        path, config_json = download(model), None
-    config, params, name = read_weights(path, config_json, args.heads, model)
-    batch = None if args.debug_state is None else debug_batch(args.debug_state, config)
-    tokenizer = Tokenizer(args.vocab)
-    os.makedirs(args.out, exist_ok=True)
-    print(f"GPT-2 {name}: L={config.num_layers}, C={config.channels}, NH={config.num_heads}, "
-          f"maxT={config.max_seq_len}, V={config.vocab_size}, Vp={config.padded_vocab_size}: "
-          f"{config.num_parameters:,} parameters")
-    for version, suffix in ((formats.MODEL_VERSION_FP32, ""), (formats.MODEL_VERSION_BF16, "_bf16")):
-        out = os.path.join(args.out, f"gpt2_{name}{suffix}.bin")
-        print(f"writing {out} (version {version}, {formats.MODEL_VERSIONS[version]})")
-        formats.write_model(out, config, params, version)
-    out = os.path.join(args.out, "gpt2_tokenizer.bin")
-    print(f"writing the bytes of {tokenizer.enc.n_vocab:,} tokens to {out}")
-    tokenizer.write_tokenizer_file(out)
-    if batch is not None:
-        write_debug_state(os.path.join(args.out, f"gpt2_{name}_debug_state.bin"), config, params, *batch)
+    with outputs(args.out) as written:
+        if args.input:
+            model = args.model
+            path, config_json = locate(args.input)
+        else:
+            model = args.model or "gpt2"
+            path, config_json = download(model), None
+        config, params, name = read_weights(path, config_json, args.heads, model)
+        batch = None if args.debug_state is None else debug_batch(args.debug_state, config)
+        tokenizer = Tokenizer(args.vocab)
+        print(f"GPT-2 {name}: L={config.num_layers}, C={config.channels}, NH={config.num_heads}, "
+              f"maxT={config.max_seq_len}, V={config.vocab_size}, Vp={config.padded_vocab_size}: "
+              f"{config.num_parameters:,} parameters")
+        for version, suffix in ((formats.MODEL_VERSION_FP32, ""), (formats.MODEL_VERSION_BF16, "_bf16")):
+            out = os.path.join(args.out, f"gpt2_{name}{suffix}.bin")
+            print(f"writing {out} (version {version}, {formats.MODEL_VERSIONS[version]})")
+            formats.write_model(out, config, params, version)
+            written.append(out)
+        out = os.path.join(args.out, "gpt2_tokenizer.bin")
+        print(f"writing the bytes of {tokenizer.enc.n_vocab:,} tokens to {out}")
+        tokenizer.write_tokenizer_file(out)
+        written.append(out)
+        if batch is not None:
+            write_debug_state(os.path.join(args.out, f"gpt2_{name}_debug_state.bin"), config, params, *batch)
 
 
 if __name__ == "__main__":

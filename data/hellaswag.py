@@ -10,7 +10,7 @@ word, so the ending continues the context), and the label of the right ending.
 import json
 import os
 
-from data import PrepError, arguments, read_text
+from data import PrepError, arguments, outputs, read_text
 from llm import formats
 from llm.launch import run
 from llm.tokenizer import Tokenizer
@@ -31,19 +31,20 @@ def render(line, tokenizer):
 def main(argv):
     args = arguments(__doc__.splitlines()[0], URL, os.path.join("data", "hellaswag")).parse_args(argv)
     source = args.input or URL
-    lines = read_text(args.input, URL).splitlines()
-    tokenizer = Tokenizer(args.vocab)
-    examples = []
-    for n, line in enumerate(lines, 1):
-        try:
-            if line.strip():
-                examples.append(render(line, tokenizer))
-        except (ValueError, KeyError, TypeError) as e:   # json's errors are ValueErrors
-            raise PrepError(f"{source} line {n}: not a HellaSwag example ({type(e).__name__}: {e})") from None
-    path = os.path.join(args.out, "hellaswag_val.bin")
-    os.makedirs(args.out, exist_ok=True)
-    print(f"writing {len(examples):,} examples to {path}")
-    formats.write_eval(path, examples)
+    with outputs(args.out):   # one file, written last
+        lines = read_text(args.input, URL).splitlines()
+        tokenizer = Tokenizer(args.vocab)
+        examples = []
+        for n, line in enumerate(lines, 1):
+            try:
+                if line.strip():
+                    examples.append(render(line, tokenizer))
+            except (ValueError, KeyError, TypeError) as e:   # json's errors are ValueErrors
+                raise PrepError(f"{source} line {n}: not a HellaSwag example ({type(e).__name__}: "
+                                f"{e})") from None
+        path = os.path.join(args.out, "hellaswag_val.bin")
+        print(f"writing {len(examples):,} examples to {path}")
+        formats.write_eval(path, examples)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from which train_gpt2.py decodes the samples it prints.
 """
 import os
 
-from data import REPO, PrepError, arguments, read_text, write_shard
+from data import REPO, PrepError, arguments, outputs, read_text, write_shard
 from llm.launch import run
 from llm.tokenizer import VOCAB_ENV, Tokenizer
 
@@ -45,17 +45,19 @@ def main(argv):
     parser.add_argument("--tokenizer", default=os.path.join(REPO, "gpt2_tokenizer.bin"),
                         help="where to write llm.c's tokenizer file (default: gpt2_tokenizer.bin)")
     args = parser.parse_args(argv)
-    text = read_text(args.input, URL, offline_hint=OFFLINE_HINT)
-    tokenizer = Tokenizer(args.vocab)
-    tokens = tokenize(text, tokenizer)
-    if len(tokens) <= VAL_TOKENS:   # the val split would take them all
-        raise PrepError(f"{args.input or URL}: {len(tokens):,} tokens, and the first {VAL_TOKENS:,} are the "
-                        f"val split: nothing is left to train on (tiny Shakespeare makes 338,028)")
-    os.makedirs(args.out, exist_ok=True)
-    write_shard(os.path.join(args.out, "tiny_shakespeare_val.bin"), tokens[:VAL_TOKENS])
-    write_shard(os.path.join(args.out, "tiny_shakespeare_train.bin"), tokens[VAL_TOKENS:])
-    print(f"writing the bytes of {tokenizer.enc.n_vocab:,} tokens to {args.tokenizer}")
-    tokenizer.write_tokenizer_file(args.tokenizer)
+    with outputs(args.out, ("--tokenizer", args.tokenizer)) as written:
+        text = read_text(args.input, URL, offline_hint=OFFLINE_HINT)
+        tokenizer = Tokenizer(args.vocab)
+        tokens = tokenize(text, tokenizer)
+        if len(tokens) <= VAL_TOKENS:   # the val split would take them all
+            raise PrepError(f"{args.input or URL}: {len(tokens):,} tokens, and the first {VAL_TOKENS:,} are "
+                            f"the val split: nothing is left to train on (tiny Shakespeare makes 338,028)")
+        for split, part in (("val", tokens[:VAL_TOKENS]), ("train", tokens[VAL_TOKENS:])):
+            path = os.path.join(args.out, f"tiny_shakespeare_{split}.bin")
+            write_shard(path, part)
+            written.append(path)
+        print(f"writing the bytes of {tokenizer.enc.n_vocab:,} tokens to {args.tokenizer}")
+        tokenizer.write_tokenizer_file(args.tokenizer)
 
 
 if __name__ == "__main__":

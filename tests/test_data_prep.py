@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data import PrepError, outputs
 from llm import formats
 from llm.tokenizer import Tokenizer, TokenizerFile
 from conftest import REPO
@@ -158,6 +159,45 @@ def test_a_path_from_an_environment_variable_that_names_no_file_is_one_line_nami
     assert_one_line_error(proc, f"error: {variable}={missing}: no such file: fix {variable} or unset it (or "
                                 f"pass {flag} PATH)\n")
     assert os.listdir(tmp_path) == []
+
+
+
+@pytest.mark.parametrize("script", ["tinyshakespeare", "hellaswag", "fineweb", "gpt2"])
+def test_an_out_that_cannot_be_a_folder_is_one_line_before_any_work(tmp_path, script):
+    """Once "error: PATH: File exists" once the work was done (fineweb: once shard 0, 10^8 tokens, was full),
+    or a line naming a temporary file. No --input: the check comes before any download."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("kept")
+    below = "a part of the path is a file, not a folder: choose another place"
+    for out, problem in ((a_file, "exists and is not a folder: name a folder"), (a_file / "out", below)):
+        proc = run_script(script, ["--out", out], cwd=tmp_path)
+        assert_one_line_error(proc, f"error: --out {out}: {problem}\n")
+    assert os.listdir(tmp_path) == ["a_file"] and a_file.read_text() == "kept"
+
+
+def test_a_tokenizer_that_cannot_be_written_is_one_line_before_the_shards(tmp_path):
+    """Once both shards were written first, and the line then named a temporary file."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("kept")
+    tokenizer = a_file / "gpt2_tokenizer.bin"
+    proc = run_script("tinyshakespeare", ["--input", CORPUS, "--vocab", VOCAB, "--out", tmp_path / "out",
+                                          "--tokenizer", tokenizer], cwd=tmp_path)
+    assert_one_line_error(proc, f"error: --tokenizer {tokenizer}: a part of the path is a file, not a "
+                                f"folder: choose another place\n")
+    assert os.listdir(tmp_path) == ["a_file"]
+
+
+def test_a_run_that_fails_removes_the_files_it_wrote_and_the_folders_it_made(tmp_path):
+    """data.outputs, through which every script writes; a file the run did not write stays."""
+    (tmp_path / "earlier.bin").write_bytes(b"an earlier run's")
+    made = tmp_path / "new" / "folder"
+    with pytest.raises(PrepError, match="found half way"):
+        with outputs(str(tmp_path), ("--tokenizer", str(made / "tok.bin"))) as written:
+            assert made.is_dir()   # made by the check, before any work
+            (tmp_path / "val.bin").write_bytes(b"this run's")
+            written.append(str(tmp_path / "val.bin"))
+            raise PrepError("a bad input found half way")
+    assert os.listdir(tmp_path) == ["earlier.bin"]
 
 
 HELLASWAG = [

@@ -242,6 +242,24 @@ def test_bad_jsonl_line_is_one_line_naming_it(tmp_path, line, problem, workers):
     assert_one_line_error(proc, f'error: {jsonl} line 2: not a JSON object with a "text" string', problem)
 
 
+@needs_vocab
+def test_a_run_that_fails_half_way_removes_its_shards_and_can_run_again(tmp_path, inputs):
+    """A bad line found once shards were written: they once stayed, and the next run was refused as one
+    into "shards of an earlier run". What the failed run did not write stays: here an edu run's shards."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": 5}) + "\n")
+    out = tmp_path / "out"
+    args = ["--vocab", VOCAB, "--out", out, "--workers", 2, "--shard_size"]
+    assert fineweb(["--input", inputs[1], "--type", "edu", *args, 5], cwd=tmp_path).returncode == 0
+    earlier = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    proc = fineweb(["--input", *inputs, bad, *args, SHARD_SIZE], cwd=tmp_path)
+    assert_one_line_error(proc, f'error: {bad} line 2: not a JSON object with a "text" string (TypeError: '
+                                f'text is int)\n')
+    assert f"writing 100 tokens to {out / 'fineweb_train_000005.bin'}" in proc.stdout
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == earlier
+    assert fineweb(["--input", *inputs, *args, SHARD_SIZE], cwd=tmp_path).returncode == 0
+
+
 def test_without_datasets_fineweb_itself_says_pip_install_data(tmp_path):
     proc = fineweb(["--out", tmp_path], cwd=tmp_path)
     assert proc.stderr == "error: this needs the datasets package: pip install -e \".[data]\"\n"
