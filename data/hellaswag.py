@@ -24,7 +24,10 @@ def render(line, tokenizer):
     ctx, label, endings = example["ctx"], example["label"], example["endings"]
     if len(endings) != formats.EVAL_COMPLETIONS or label not in range(formats.EVAL_COMPLETIONS):
         raise ValueError(f"expected 4 endings and a label 0..3, got {len(endings)} and {label!r}")
-    return dict(label=label, context=tokenizer.encode(ctx),
+    context = tokenizer.encode(ctx)
+    if not context:   # (an ending is never empty: its leading space is a token)
+        raise ValueError("its ctx is empty, and -h 1 scores each ending after the context")
+    return dict(label=label, context=context,
                 completions=[tokenizer.encode(" " + ending) for ending in endings])
 
 
@@ -40,8 +43,8 @@ def main(argv):
                 if line.strip():
                     examples.append(render(line, tokenizer))
             except (ValueError, KeyError, TypeError) as e:   # json's errors are ValueErrors
-                raise PrepError(f"{source} line {n}: not a HellaSwag example ({type(e).__name__}: "
-                                f"{e})") from None
+                raise PrepError(f"{source} line {n}: not a HellaSwag example ({type(e).__name__}: {e}): "
+                                f"correct or remove the line") from None
         path = os.path.join(args.out, "hellaswag_val.bin")
         print(f"writing {len(examples):,} examples to {path}")
         formats.write_eval(path, examples)

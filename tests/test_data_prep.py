@@ -249,7 +249,20 @@ def test_hellaswag_bad_line_names_the_line(tmp_path):
     args = ["--input", str(jsonl), "--vocab", VOCAB, "--out", str(tmp_path)]
     proc = run_script("hellaswag", args, cwd=tmp_path)
     assert proc.returncode == 1
-    assert proc.stderr == f"error: {jsonl} line 2: not a HellaSwag example (KeyError: 'endings')\n"
+    assert proc.stderr == (f"error: {jsonl} line 2: not a HellaSwag example (KeyError: 'endings'): correct "
+                           f"or remove the line\n")
+
+
+@needs_vocab
+def test_hellaswag_example_without_a_context_is_one_line_naming_its_line(tmp_path):
+    """Once written, and then refused by train_gpt2.py -h 1 ("example 1 has an empty context")."""
+    jsonl = tmp_path / "hellaswag_val.jsonl"
+    jsonl.write_text(json.dumps(HELLASWAG[0]) + "\n" + json.dumps({**HELLASWAG[1], "ctx": ""}) + "\n")
+    args = ["--input", jsonl, "--vocab", VOCAB, "--out", tmp_path / "out"]
+    assert_one_line_error(run_script("hellaswag", args, cwd=tmp_path),
+                          f"error: {jsonl} line 2: not a HellaSwag example (ValueError: its ctx is empty, "
+                          f"and -h 1 scores each ending after the context): correct or remove the line\n")
+    assert os.listdir(tmp_path) == ["hellaswag_val.jsonl"]
 
 
 @pytest.mark.parametrize("fields, problem", [
