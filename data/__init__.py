@@ -8,7 +8,7 @@ import os
 import urllib.request
 
 from llm import formats
-from llm.launch import Parser, UserError, output_dir, output_file
+from llm.launch import Parser, UserError, from_environment, output_dir, output_file
 from llm.tokenizer import VOCAB_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,29 +20,30 @@ class PrepError(UserError):
 
 
 class ScriptParser(Parser):
-    """The scripts' Parser: a path flag left out takes the path in its environment variable, checked here,
-    so that a wrong one is one line naming the variable, which the user may have forgotten setting, rather
-    than the flag, which they never gave."""
+    """The scripts' Parser: a path flag left out (--input, --vocab) stands for the path in its environment
+    variable, which is checked as the flags are, before any download: a wrong one is one line naming the
+    variable (llm.launch.from_environment), which the user may have set long ago. --input takes that path;
+    --vocab stays None, and the tokenizer reads $GPT2_VOCAB itself (and names it in its own errors)."""
 
-    def __init__(self, env_paths, **kwargs):
+    def __init__(self, input_env, **kwargs):
         super().__init__(**kwargs)
-        self.env_paths = env_paths   # {flag's dest: variable}
+        self.input_env = input_env
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
-        for dest, variable in self.env_paths.items():
-            if getattr(parsed, dest) is None:
-                setattr(parsed, dest, env_path(variable, f"--{dest}"))
+        if parsed.input is None and self.input_env:
+            parsed.input = env_path(self.input_env, "--input")
+        if parsed.vocab is None:
+            env_path(VOCAB_ENV, "--vocab")
         return parsed
 
 
 def env_path(variable, flag):
-    """The path in $variable, None when it is unset or empty; one that names no readable file is a PrepError
-    saying to fix or unset the variable, or to pass `flag`."""
+    """The path in $variable, None when it is unset or empty; a PrepError where it names no readable file."""
     path = os.environ.get(variable) or None
     if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
         problem = "not a readable file" if os.path.exists(path) else "no such file"
-        raise PrepError(f"{variable}={path}: {problem}: fix {variable} or unset it (or pass {flag} PATH)")
+        raise PrepError(from_environment(path, variable, flag, problem))
     return path
 
 
@@ -54,8 +55,7 @@ def arguments(description, url, out, input_env=None, input_help="the source file
     script works it out from other flags after parsing (out_help then says how). nargs="+" lets --input
     take several paths."""
     default = f"${input_env}, else a download" if input_env else "a download"
-    env_paths = {"input": input_env, "vocab": VOCAB_ENV} if input_env else {"vocab": VOCAB_ENV}
-    parser = ScriptParser(env_paths, description=description)
+    parser = ScriptParser(input_env, description=description)
     parser.add_argument("--input", nargs=nargs, help=f"{input_help} (default: {default} of {url})")
     parser.add_argument("--vocab", help=f"GPT-2's BPE ranks, a gpt2.tiktoken file (default: ${VOCAB_ENV}, "
                                         "else tiktoken's download)")
@@ -70,15 +70,17 @@ def outputs(out, *files):
     output_dir and output_file before any work: one that cannot be written is one line at once, not an
     error naming a temporary file once the work is done. Yields a list, to which the script adds each file
     once it is written, where more work follows. A run that fails (a bad input found half way, a full disk,
-    Ctrl-C) removes those files and the folders the check made, so that it leaves nothing behind and can be
-    run again; files it did not write stay."""
+    Ctrl-C) removes those files and the folders made here, so that it leaves nothing behind and can be run
+    again; files it did not write stay."""
+    output_dir(out)
+    for flag, path in files:
+        output_file(path, flag)
     folders = [os.path.abspath(out), *(os.path.dirname(os.path.abspath(path)) for _, path in files)]
-    made = [(folder, first_missing(folder)) for folder in folders]   # before output_dir makes them
+    made = [(folder, first_missing(folder)) for folder in folders]
     written = []
     try:
-        output_dir(out)
-        for flag, path in files:
-            output_file(path, flag)
+        for folder in folders:
+            os.makedirs(folder, exist_ok=True)
         yield written
     except BaseException:
         for path in written:
@@ -90,7 +92,7 @@ def outputs(out, *files):
 
 
 def first_missing(folder):
-    """The outermost folder on the way to `folder` that does not exist yet, None if it exists: output_dir
+    """The outermost folder on the way to `folder` that does not exist yet, None if it exists: makedirs
     makes it and those below it."""
     missing = None
     while not os.path.exists(folder):

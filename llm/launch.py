@@ -231,6 +231,12 @@ def positive_int(text):
     return value
 
 
+def from_environment(path, variable, flag, problem):
+    """The line for a bad path that a command took from $variable, where `flag` was not given: it names the
+    variable, which the user may have set long ago, and says to fix or unset it."""
+    return f"{path} (${variable}): {problem}: fix or unset {variable}, or pass {flag} PATH"
+
+
 def output_dir(path, flag="--out"):
     """Check that `path` is a folder this process can write into, or can make and write into, or raise a
     UserError naming `flag`. Called before any work, so that an output that cannot be written is one line

@@ -13,7 +13,7 @@ import tiktoken.load
 
 from llm import formats
 from llm.config import GPT2_EOT
-from llm.launch import UserError
+from llm.launch import UserError, from_environment
 
 # GPT-2's pre-tokenizer: contractions, letter runs, digit runs and other symbols (each with at most
 # one leading space), then whitespace. BPE merges happen only inside these pieces.
@@ -21,7 +21,6 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 ENDOFTEXT = "<|endoftext|>"
 VOCAB_ENV = "GPT2_VOCAB"
 NO_VOCAB_HINT = f"pass --vocab PATH to a gpt2.tiktoken file or set {VOCAB_ENV}"
-BAD_VOCAB_ENV_HINT = f"fix or unset {VOCAB_ENV}, or pass --vocab PATH to a gpt2.tiktoken file"
 
 
 class TokenizerError(UserError):
@@ -36,22 +35,22 @@ def get_encoding(vocab_path=None):
             return tiktoken.get_encoding("gpt2")
         except OSError:   # requests' connection errors are OSErrors
             raise TokenizerError(f"cannot download GPT-2's BPE ranks (offline?): {NO_VOCAB_HINT}") from None
-    where = vocab_path if named else f"{vocab_path} (${VOCAB_ENV})"
-    hint = NO_VOCAB_HINT if named else BAD_VOCAB_ENV_HINT
+
+    def bad(problem):
+        return TokenizerError(f"{vocab_path}: {problem}: {NO_VOCAB_HINT}" if named else
+                              from_environment(vocab_path, VOCAB_ENV, "--vocab", problem))
     if os.path.isdir(vocab_path):
-        raise TokenizerError(f"{where}: a folder, not a file: {hint}")
+        raise bad("a folder, not a file")
     try:
         ranks = tiktoken.load.load_tiktoken_bpe(vocab_path)
     except FileNotFoundError:
-        raise TokenizerError(f"{where}: no such file: {hint}") from None
+        raise bad("no such file") from None
     except OSError as e:
-        raise TokenizerError(f"{where}: cannot read ({e.strerror or e}): {hint}") from None
+        raise bad(f"cannot read ({e.strerror or e})") from None
     except ValueError:   # its message quotes the line it could not parse, which can be kilobytes of bytes
-        raise TokenizerError(f"{where}: not a tiktoken ranks file{formats.what_it_is(vocab_path)}: "
-                             f"{hint}") from None
+        raise bad(f"not a tiktoken ranks file{formats.what_it_is(vocab_path)}") from None
     if len(ranks) != GPT2_EOT or max(ranks.values()) != GPT2_EOT - 1:
-        raise TokenizerError(f"{where}: {len(ranks)} ranks, but GPT-2 has {GPT2_EOT} "
-                             f"(ids 0..{GPT2_EOT - 1}): {hint}")
+        raise bad(f"{len(ranks)} ranks, but GPT-2 has {GPT2_EOT} (ids 0..{GPT2_EOT - 1})")
     return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: GPT2_EOT},
                              explicit_n_vocab=GPT2_EOT + 1)

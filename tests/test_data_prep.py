@@ -156,8 +156,8 @@ def test_a_path_from_an_environment_variable_that_names_no_file_is_one_line_nami
     TINYSHAKESPEARE no word of where the path came from."""
     missing = tmp_path / "missing"
     proc = run_script(script, ["--out", tmp_path / "out"], cwd=tmp_path, environ={variable: str(missing)})
-    assert_one_line_error(proc, f"error: {variable}={missing}: no such file: fix {variable} or unset it (or "
-                                f"pass {flag} PATH)\n")
+    assert_one_line_error(proc, f"error: {missing} (${variable}): no such file: fix or unset {variable}, or "
+                                f"pass {flag} PATH\n")
     assert os.listdir(tmp_path) == []
 
 

@@ -158,7 +158,7 @@ def test_a_vocab_that_is_not_gpt2s_ranks_says_where_its_name_came_from_and_what_
     from llm.tokenizer import TokenizerError, get_encoding
     formats.write_tokenizer(tmp_path / "tok.bin", [b"a", b"b"], 1)
     flag_hint = "pass --vocab PATH to a gpt2.tiktoken file or set GPT2_VOCAB"
-    env_hint = "fix or unset GPT2_VOCAB, or pass --vocab PATH to a gpt2.tiktoken file"
+    env_hint = "fix or unset GPT2_VOCAB, or pass --vocab PATH"
     monkeypatch.delenv("GPT2_VOCAB", raising=False)
     with pytest.raises(TokenizerError) as e:
         get_encoding(str(tmp_path / "tok.bin"))
