@@ -11,6 +11,7 @@
   Parser                     argparse for every command line here: a mistake in the options is one line
   positive_int               Parser's type for an option that counts something (steps, repeats, a batch)
   output_dir, output_file    an output place that cannot be written is one line before any work, not after
+  from_environment           the line for a bad path that came from an environment variable, not a flag
   optional(module, extra)    import a package only some commands need, or say in one line how to install it
   install(extra)             the pip command that installs one of the optional extras
 
