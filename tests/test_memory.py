@@ -176,12 +176,19 @@ def test_a_descriptor_too_large_for_a_23_gb_machine_is_refused_before_any_init(s
         train_gpt2.main(["-e", descriptor, "-b", "1", "-t", "64", *data_args()])
 
 
-def write_header_only(path, config):
-    """A model file whose header describes `config`, without its parameters (no machine could hold them)."""
+def write_model_of_holes(path, config):
+    """A model file of `config`'s size whose parameters are a hole: the file system stores no bytes for
+    them (a reader checks the size against the header first)."""
     header = formats.new_header(formats.MODEL_MAGIC, formats.MODEL_VERSION_FP32)
     header[2:8] = (config.max_seq_len, config.vocab_size, config.num_layers, config.num_heads,
                    config.channels, config.padded_vocab_size)
-    path.write_bytes(header.tobytes())
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.truncate(formats.HEADER_BYTES + 4 * config.num_parameters)
+
+
+# 206 billion parameters, an 824 GB file: more than any machine these tests run on can train or sample
+HUGE = dict(num_layers=16, channels=1 << 15, num_heads=1 << 9)
 
 
 def assert_refused_in_one_line(proc, start):
@@ -192,8 +199,9 @@ def assert_refused_in_one_line(proc, start):
 
 @pytest.mark.parametrize("args", [["-e", "d12", "-b", "100000"], ["-e", "huge.bin"]])
 def test_a_run_no_machine_could_hold_stops_with_one_line(shards, args):
-    """Exit 1, one line, nothing else: from a descriptor and batch, or from a model file's header alone."""
-    write_header_only(shards / "huge.bin", GPT2Config(num_layers=1000, channels=1 << 16, num_heads=1 << 10))
+    """Exit 1, one line, nothing else: from a descriptor and batch, or from a model file's header, before
+    its parameters are read."""
+    write_model_of_holes(shards / "huge.bin", GPT2Config(**HUGE))
     proc = subprocess.run([sys.executable, TRAIN, *args, *data_args()], cwd=shards, env=env(),
                           capture_output=True, text=True, timeout=120)
     assert_refused_in_one_line(proc, "error: not enough memory: this run needs ")
@@ -201,9 +209,8 @@ def test_a_run_no_machine_could_hold_stops_with_one_line(shards, args):
 
 
 def test_a_sample_from_a_model_no_machine_could_hold_stops_with_one_line(tmp_path):
-    config = GPT2Config(max_seq_len=32, vocab_size=3, padded_vocab_size=128, num_layers=1000,
-                        num_heads=1 << 10, channels=1 << 16)
-    write_header_only(tmp_path / "huge.bin", config)
+    config = GPT2Config(max_seq_len=32, vocab_size=3, padded_vocab_size=128, **HUGE)
+    write_model_of_holes(tmp_path / "huge.bin", config)
     formats.write_tokenizer(tmp_path / "tokenizer.bin", [b"a", b"b", b"<|endoftext|>"], 2)
     proc = subprocess.run([sys.executable, "-m", "llm.sample", "-e", "huge.bin", "--tokenizer",
                            "tokenizer.bin", "--backend", "numpy", "-g", "8"],
