@@ -176,7 +176,7 @@ def parse_args(argv):
         if not allowed(values[name]):   # a list of choices says it all; a range says it with the meaning
             raise UsageError(f"{flag} {value}: must be {what}"
                              + ("" if what.startswith("one of") else f" ({meaning})"))
-    for flag in ("-n", "-nk", "-y"):   # checkpoint_every, checkpoints_keep, resume
+    for flag in ("-n", "-nk", "-nm", "-y"):   # the checkpoints: every, keep, keep multiples of, resume
         value = values[FLAGS[flag][0]]
         if value and not values["output_log_dir"]:
             raise UsageError(f"{flag} {value} needs -o, the directory that holds the checkpoints")

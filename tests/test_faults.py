@@ -106,7 +106,7 @@ def test_llmc_flags_with_no_use_here_say_what_to_do_instead(flag, advice):
 
 
 def test_checkpoint_flags_need_an_output_dir():
-    for flag in ("-n", "-nk", "-y"):
+    for flag in ("-n", "-nk", "-nm", "-y"):
         with pytest.raises(train_gpt2.UsageError, match=f"{flag} 1 needs -o"):
             train_gpt2.parse_args([flag, "1"])
 
