@@ -46,12 +46,11 @@ TEMPORARY = re.compile(r"(.+)\.\d+\.tmp")   # formats.temporary_path's names
 
 
 def check_out(out):
-    """--out must be a folder that is new, empty or holds an earlier export: the files of another model
-    (a tokenizer.json, say) would be loaded with ours. Returns the files of ours that it already holds."""
-    if not os.path.exists(out):
+    """--out, a folder that can be written (output_dir), must be new, empty or hold an earlier export: the
+    files of another model (a tokenizer.json, say) would be loaded with ours. Returns the files of ours
+    that it already holds."""
+    if not os.path.exists(output_dir(out)):
         return []
-    if not os.path.isdir(out):
-        raise ExportError(f"--out {out}: is a file: name a folder (a new one, or an empty one)")
     names = os.listdir(out)
     ours = {name for name in names if (m := TEMPORARY.fullmatch(name)) and m.group(1) in FILES}
     for name in ours:   # an export killed while writing leaves a temporary file of ours behind
@@ -161,7 +160,6 @@ def main(argv):
     save_file = optional("safetensors.numpy", "weights").save_file
     hub = optional("huggingface_hub", "weights") if args.push else None
     replaced = check_out(args.out)
-    output_dir(args.out)
     path = find_model(args.e)
     config, version = formats.read_model_config(path)   # the header: what the model is, before any large read
     if config.vocab_size != GPT2_VOCAB:

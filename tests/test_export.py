@@ -274,7 +274,7 @@ def test_push_offline_is_one_line_and_keeps_the_export(tmp_path, models):
     (["-e", "."], ".: a directory without a complete checkpoint (no DONE_%08d file)"),
     (["-e", "small_vocab.bin"], "small_vocab.bin: vocab_size 96, but the tokenizer files are GPT-2's, "
                                 "with 50257"),
-    (["--out", "a_file"], "--out a_file: is a file: name a folder"),
+    (["--out", "a_file"], "--out a_file: exists and is not a folder: name a folder"),
     (["--out", "a_file/hf"], "--out a_file/hf: a part of the path is a file, not a folder"),
     (["--out", ""], "--out is empty: name a folder"),
     (["--out", "other_model"], "--out other_model: holds other files (README.md, tokenizer.json), which "
