@@ -150,7 +150,14 @@ def _on_signal(signum, frame, why=""):
     # one line, once: a second Ctrl-C while this one is handled changes nothing
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    _stopping.append(128 + signum)
     stop(f"stopped by {signal.Signals(signum).name}{why}", 128 + signum)
+
+
+# the exit code of the signal being handled: the SystemExit that stops a single process is raised wherever
+# the signal found it, and some code turns it into another exception (Python 3.11 wraps any exception that
+# a class body's __set_name__ raises, as in threadpoolctl's import, in a RuntimeError); run() exits with it
+_stopping = []
 
 
 # Ctrl-C, kill's default, a closed terminal or ssh session, and Slurm's warning before it ends a job
@@ -328,9 +335,9 @@ def run(main, memory_advice="use a machine with more memory"):
     where a command counts its memory first (llm/memory.py), the count missed something. Any other
     exception is a bug: its traceback, and under a launcher every rank stops."""
     install_signal_handlers()
-    limit_threads()
     sys.stdout = _Stdout(sys.stdout)
     try:
+        limit_threads()
         code = main(sys.argv[1:])
         sys.stdout.flush()   # the last of stdout goes out here, where a failure is reported, not at exit
     except StdoutError as e:
@@ -345,5 +352,7 @@ def run(main, memory_advice="use a machine with more memory"):
     except OSError as e:
         stop(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e.strerror or e}")
     except Exception:
+        if _stopping:   # a signal's SystemExit in another guise: its line is out
+            raise SystemExit(_stopping[0]) from None
         stop(traceback.format_exc().rstrip())   # a bug: its traceback is the report; every rank stops
     raise SystemExit(code or 0)

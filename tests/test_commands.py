@@ -186,6 +186,24 @@ def test_a_signal_stops_every_long_running_command_with_one_line(command, sig, t
     assert (proc.returncode, stdout, stderr) == (128 + sig, "", f"stopped by {sig.name}\n")
 
 
+def test_a_signal_that_arrives_while_a_class_is_made_stops_with_one_line(tmp_path):
+    """The SystemExit that stops the command is raised where the signal finds it. Inside a class body's
+    __set_name__ (threadpoolctl's dataclass, as it loads), Python 3.11 wraps it in a RuntimeError, which
+    run() once reported as a bug, with its traceback."""
+    code = ("import os, signal\n"
+            "from llm.launch import run\n"
+            "class Field:\n"
+            "    def __set_name__(self, owner, name):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "def main(argv):\n"
+            "    class Holder:\n"
+            "        field = Field()\n"
+            "run(main)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env(), capture_output=True,
+                          text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (143, "", "stopped by SIGTERM\n")
+
+
 def train_args(steps):
     return [sys.executable, TRAIN, *TINY, *data_args(), "-x", str(steps)]
 
