@@ -70,13 +70,16 @@ def outputs(out, *files):
     output_dir and output_file before any work: one that cannot be written is one line at once, not an
     error naming a temporary file once the work is done. Yields a list, to which the script adds each file
     once it is written, where more work follows. A run that fails (a bad input found half way, a full disk,
-    Ctrl-C) removes those files and the folders made here, so that it leaves nothing behind and can be run
-    again; files it did not write stay."""
+    Ctrl-C) removes those of them that were not there before it, and the folders made here, so that it
+    leaves nothing behind and can be run again; a file that was there before stays (with what this run
+    wrote into it, if it got that far: the run was asked to replace it)."""
     output_dir(out)
     for flag, path in files:
         output_file(path, flag)
     folders = [os.path.abspath(out), *(os.path.dirname(os.path.abspath(path)) for _, path in files)]
     made = [(folder, first_missing(folder)) for folder in folders]
+    there = {os.path.join(folder, name) for folder in folders if os.path.isdir(folder)
+             for name in os.listdir(folder)}
     written = []
     try:
         for folder in folders:
@@ -84,8 +87,9 @@ def outputs(out, *files):
         yield written
     except BaseException:
         for path in written:
-            with suppress(OSError):   # the error that stopped the run is the one to report
-                os.remove(path)
+            if os.path.abspath(path) not in there:
+                with suppress(OSError):   # the error that stopped the run is the one to report
+                    os.remove(path)
         for folder, top in made:
             remove_made(folder, top)
         raise

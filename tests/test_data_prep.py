@@ -188,16 +188,20 @@ def test_a_tokenizer_that_cannot_be_written_is_one_line_before_the_shards(tmp_pa
 
 
 def test_a_run_that_fails_removes_the_files_it_wrote_and_the_folders_it_made(tmp_path):
-    """data.outputs, through which every script writes; a file the run did not write stays."""
+    """data.outputs, through which every script writes; a file that was there before the run stays, the
+    one it did not write and the one it wrote anew (as make data's gpt2_tokenizer.bin, which data.gpt2
+    writes again)."""
     (tmp_path / "earlier.bin").write_bytes(b"an earlier run's")
+    (tmp_path / "tok.bin").write_bytes(b"an earlier run's")
     made = tmp_path / "new" / "folder"
     with pytest.raises(PrepError, match="found half way"):
         with outputs(str(tmp_path), ("--tokenizer", str(made / "tok.bin"))) as written:
             assert made.is_dir()   # made by the check, before any work
-            (tmp_path / "val.bin").write_bytes(b"this run's")
-            written.append(str(tmp_path / "val.bin"))
+            for name in ("val.bin", "tok.bin"):
+                (tmp_path / name).write_bytes(b"this run's")
+                written.append(str(tmp_path / name))
             raise PrepError("a bad input found half way")
-    assert os.listdir(tmp_path) == ["earlier.bin"]
+    assert sorted(os.listdir(tmp_path)) == ["earlier.bin", "tok.bin"]
 
 
 HELLASWAG = [
