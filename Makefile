@@ -21,12 +21,15 @@ endif
 DATA := data/tinyshakespeare/tiny_shakespeare_train.bin
 TRAIN_STEPS ?= 250
 RESUME ?= 0
-# they reach the trainer as -x and -y, whose errors would name those flags: a wrong one is said here
+# make train passes them to the trainer as -x and -y, whose errors would name those flags: a wrong one is
+# said here (for train alone: another target does not read them, and RESUME is a common name)
+ifneq ($(filter train,$(MAKECMDGOALS)),)
 ifneq ($(shell echo '$(TRAIN_STEPS)' | grep -Ex '[1-9][0-9]*'),$(TRAIN_STEPS))
 $(error TRAIN_STEPS=$(TRAIN_STEPS): the steps to train to, a whole number of 1 or more)
 endif
 ifeq ($(filter 0 1,$(RESUME)),)
 $(error RESUME=$(RESUME): 1 resumes the run in log_train, 0 (the default) starts one)
+endif
 endif
 
 .PHONY: setup data train test bench clean

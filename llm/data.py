@@ -62,7 +62,8 @@ class DataLoader:
         paths = sorted(glob.glob(pattern))
         if folders := [path for path in paths if os.path.isdir(path)]:
             raise DataError(f"-i/-j pattern '{pattern}' matches the folder {folders[0]}: name the shard "
-                            f"files in it, as {os.path.join(folders[0], '*_train.bin')}")
+                            f"files in it, as {os.path.join(folders[0], '*train*.bin')} for -i and "
+                            f"{os.path.join(folders[0], '*val*.bin')} for -j")
         if not paths:
             where = "" if os.path.isabs(pattern) else f" in {os.getcwd()}"   # the folder it was looked for in
             raise DataError(f"no files match -i/-j pattern '{pattern}'{where}: {prepare_hint(pattern)}")

@@ -75,6 +75,9 @@ def main(argv):
     log = os.path.join(args.dir, "main.log")
     if not os.path.exists(log):
         raise UserError(f"{log}: no such file (train with -o {args.dir} first)")
+    out = output_file(args.out or os.path.join(args.dir, "loss.png"), "-o")
+    if not os.path.splitext(out)[1]:
+        out += ".png"   # what matplotlib would add: the line below then names the file it wrote
     try:
         train, val, evals = read_log(log)
     except OSError as e:
@@ -82,13 +85,11 @@ def main(argv):
     if not train and not val:
         raise UserError(f"{log}: no s:N trl:/tel: lines to plot")
     title = f"{os.path.basename(os.path.abspath(args.dir))}: loss against step"
-    out = output_file(args.out or os.path.join(args.dir, "loss.png"), "-o")
-    if not os.path.splitext(out)[1]:
-        out += ".png"   # what matplotlib would add: the line below then names the file it wrote
     # matplotlib warns, in lines of its own, when it cannot write its cache under $HOME; it draws the same
     logging.getLogger("matplotlib").setLevel(logging.ERROR)
     optional("matplotlib", "plot")   # before the figure: without it, one line
     fig = figure(train, val, evals, title, log_scale=args.log)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     try:
         fig.savefig(out)
     except ValueError as e:   # an image format matplotlib does not write: it names the ones it does

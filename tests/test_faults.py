@@ -123,7 +123,7 @@ def test_flags_that_are_fine_pass():
     (["-l", "nan"], "error: -l nan: must be a finite number"),           # all-NaN parameters and exit 0 once
     (["-i", "data/missing.bin"], "no files match -i/-j pattern 'data/missing.bin'"),
     (["-i", "data"], "-i/-j pattern 'data' matches the folder data: name the shard files in it, as "
-                     "data/*_train.bin"),
+                     "data/*train*.bin for -i and data/*val*.bin for -j"),
     (["-zz", "1"], "unknown flag -zz"),
     (["-b"], "flag -b has no value"),
     (["-o", "-b", "4"], "flag -o has no value, it is followed by the flag -b"),   # "flag 4 has no value" once

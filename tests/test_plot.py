@@ -70,6 +70,8 @@ def test_plot_writes_an_800_by_500_png(tmp_path, capsys):
                                        f"points\n")
     assert plot.main([str(run), "-o", str(tmp_path / "other.png")]) == 0
     assert png_size(tmp_path / "other.png") == (800, 500)
+    assert plot.main([str(run), "-o", str(tmp_path / "new" / "folder" / "loss.png")]) == 0   # made for it
+    assert png_size(tmp_path / "new" / "folder" / "loss.png") == (800, 500)
 
 
 def test_an_image_name_without_a_suffix_gets_png_and_a_folder_is_refused(tmp_path, capsys):
