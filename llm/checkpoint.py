@@ -37,7 +37,7 @@ import secrets
 import socket
 
 from . import formats
-from .launch import UserError
+from .launch import UserError, output_dir
 
 # the names of a checkpoint's files, and the temporary names formats.atomic_write gives them
 CHECKPOINT_FILE = re.compile(r"(?:model_|state_)(\d{8})\.bin|DONE_(\d{8})")
@@ -195,9 +195,7 @@ class OutputDir:
         comm.barrier()
 
     def _prepare(self, resume):
-        if os.path.exists(self.path) and not os.path.isdir(self.path):
-            raise CheckpointError(f"-o {self.path}: exists and is not a directory")
-        os.makedirs(self.path, exist_ok=True)
+        os.makedirs(output_dir(self.path, "-o"), exist_ok=True)
         self._take_lock()
         names = os.listdir(self.path)
         steps = [int(m.group(1) or m.group(2)) for name in names if (m := CHECKPOINT_FILE.fullmatch(name))]

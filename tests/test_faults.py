@@ -133,8 +133,8 @@ def test_flags_that_are_fine_pass():
     (["-e", "d7"], "unsupported GPT-2 depth 7"),
     (["-e", "foo"], "or dLcChNH (e.g. d2c64h4), or a model file (.bin)"),   # -e takes both; --model not
     (["-e", "nothere.bin"], "nothere.bin: no such file"),
-    (["-o", "data/train.bin"], "-o data/train.bin: exists and is not a directory"),
-    (["-o", "data/train.bin/sub"], "-o data/train.bin/sub: cannot use it"),
+    (["-o", "data/train.bin"], "-o data/train.bin: exists and is not a folder: name a folder"),
+    (["-o", "data/train.bin/sub"], "-o data/train.bin/sub: a part of the path is a file, not a folder"),
 ])
 def test_bad_input_gets_one_clear_line(shards, args, message):
     proc = run_train(TINY + data_args() + ["-x", "1"] + args, cwd=shards, check=False)
@@ -694,7 +694,7 @@ def test_a_second_ctrl_c_under_mpiexec_still_ends_every_rank_with_a_non_zero_cod
 @pytest.mark.parametrize("args, message", [
     (["-b", "0"],
      "rank 0: error: -b 0: must be positive (micro batch size B per process) (--help lists the flags)"),
-    (["-o", "data/train.bin"], "rank 0: error: -o data/train.bin: exists and is not a directory"),
+    (["-o", "data/train.bin"], "rank 0: error: -o data/train.bin: exists and is not a folder: name a folder"),
 ])
 def test_bad_input_under_mpiexec_is_one_line_and_every_rank_stops(shards, args, message):
     """Every rank sees a bad flag, rank 0 alone a bad -o: either way one line, from rank 0 (once also MPICH's
