@@ -15,9 +15,10 @@ from llm.tokenizer import VOCAB_ENV, Tokenizer
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 INPUT_ENV = "TINYSHAKESPEARE"   # the corpus's local copy, as --input
-# offline, both downloads would fail: one message names both local files
+# offline, both downloads would fail: one message names both local files, or the one still missing
 OFFLINE_HINT = (f"offline? set {INPUT_ENV}=path/to/input.txt and {VOCAB_ENV}=path/to/gpt2.tiktoken "
                 "(make passes both on), or pass --input and --vocab")
+OFFLINE_INPUT_HINT = f"offline? set {INPUT_ENV}=path/to/input.txt (make passes it on), or pass --input"
 VAL_TOKENS = 32768
 PROGRESS_LINES = 4
 
@@ -46,7 +47,8 @@ def main(argv):
                         help="where to write llm.c's tokenizer file (default: gpt2_tokenizer.bin)")
     args = parser.parse_args(argv)
     with outputs(args.out, ("--tokenizer", args.tokenizer)) as written:
-        text = read_text(args.input, URL, offline_hint=OFFLINE_HINT)
+        ranks_given = args.vocab or os.environ.get(VOCAB_ENV)
+        text = read_text(args.input, URL, offline_hint=OFFLINE_INPUT_HINT if ranks_given else OFFLINE_HINT)
         tokenizer = Tokenizer(args.vocab)
         tokens = tokenize(text, tokenizer)
         if len(tokens) <= VAL_TOKENS:   # the val split would take them all

@@ -100,6 +100,13 @@ def test_offline_tinyshakespeare_names_both_local_files(tmp_path):
         "offline? set TINYSHAKESPEARE=path/to/input.txt and GPT2_VOCAB=path/to/gpt2.tiktoken "
         "(make passes both on), or pass --input and --vocab")
     assert os.listdir(tmp_path) == []
+    e["GPT2_VOCAB"] = str(tmp_path / "gpt2.tiktoken")   # a file there: the corpus's download fails first
+    (tmp_path / "gpt2.tiktoken").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "data.tinyshakespeare", "--out", str(tmp_path),
+                           "--tokenizer", str(tmp_path / "t.bin")], cwd=tmp_path, env=e, capture_output=True,
+                          text=True, timeout=120)
+    assert one_line_error(proc).rstrip().endswith(   # the ranks are given: only the corpus is missing
+        "offline? set TINYSHAKESPEARE=path/to/input.txt (make passes it on), or pass --input")
 
 
 def step(loss_z, norm_z):
