@@ -7,8 +7,8 @@ import argparse
 from importlib.util import find_spec
 import math
 
-from llm.backends import gpu_missing
-from llm.launch import UserError, install, positive_int
+from llm.backends import INSTALL_CUPY, gpu_missing
+from llm.launch import UserError, positive_int
 
 
 def model_arguments(parser):
@@ -54,7 +54,7 @@ def needs_gpu():
     if gpu_missing() is None:
         return
     if find_spec("cupy") is None:
-        raise UserError(f"{ON_A_GPU}, through cupy: {install('gpu')} (or cupy-cuda13x) on a machine with one")
+        raise UserError(f"{ON_A_GPU}, through cupy: {INSTALL_CUPY} on a machine with one")
     raise UserError(f"{ON_A_GPU}, and cupy finds none usable here: run it on a machine with one")
 
 

@@ -43,7 +43,7 @@ def main(argv):
     config = GPT2Config.from_descriptor(args.model)
     # the files go in a temporary folder made there: checked first, so that a place that cannot be written is
     # one line naming --dir, not a failed write naming that folder
-    place = output_dir(args.dir or tempfile.gettempdir(), "--dir")
+    place = output_dir(tempfile.gettempdir() if args.dir is None else args.dir, "--dir")
     P = config.num_parameters
     params = init_params(config)
     rng = np.random.default_rng(0)

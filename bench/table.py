@@ -71,8 +71,8 @@ def main(argv):
         raise UserError(f"{runs[args.yardstick]}: {unfinished}")
     base = row[1]   # the yardstick's tok/s
     if base == 0:
-        raise UserError(f"--yardstick {args.yardstick}: {runs[args.yardstick]} reads 0 tok/s, and there is no "
-                        "ratio to 0: choose another yardstick")
+        raise UserError(f"--yardstick {args.yardstick}: {runs[args.yardstick]} reads 0 tok/s, and there is "
+                        "no ratio to 0: choose another yardstick")
     rows = {}
     for label, (row, last) in logs.items():
         if row is None:   # a run that did not finish (cuDNN's frontend missing, say) is left out

@@ -42,7 +42,8 @@ def env_path(variable, flag):
     """The path in $variable, None when it is unset or empty; a PrepError where it names no readable file."""
     path = os.environ.get(variable) or None
     if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
-        problem = "not a readable file" if os.path.exists(path) else "no such file"
+        problem = ("a folder, not a file" if os.path.isdir(path) else "not a readable file"
+                   if os.path.exists(path) else "no such file")   # in the tokenizer's words
         raise PrepError(from_environment(path, variable, flag, problem))
     return path
 

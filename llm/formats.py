@@ -317,34 +317,33 @@ def write_model(path, config, params, version=MODEL_VERSION_FP32, run_id=0):
     return _write_checksummed(path, header, [payload], run_id)
 
 
-def _model_config(path, header):
+def _model_config(path, header, payload_bytes):
+    """-> (config, version) from a model file's header, whose sizes the file's must match: a damaged size
+    would otherwise pass for another model (and, before any read, for one too large for the memory)."""
     maxT, V, L, NH, C, Vp = (int(s) for s in header[2:8])
     try:
-        return GPT2Config(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp, num_layers=L, num_heads=NH,
-                          channels=C)
+        config = GPT2Config(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp, num_layers=L, num_heads=NH,
+                            channels=C)
     except ConfigError as e:
         raise FormatError(f"{path}: header describes an impossible model: {e}") from None
+    version, n = int(header[1]), config.num_parameters
+    check_payload_size(path, payload_bytes, n * MODEL_DTYPES[version].itemsize, f"{n} parameters")
+    return config, version
 
 
 def read_model_config(path):
     """-> (config, version) from a model file's header, without reading its parameters (to check the model
     and count the memory first)."""
     with open_llmc(path, MODEL_MAGIC, MODEL_VERSIONS) as (_, header, payload_bytes):
-        config, version = _model_config(path, header), int(header[1])
-        n = config.num_parameters   # a damaged size in the header would otherwise pass for a larger model
-        check_payload_size(path, payload_bytes, n * MODEL_DTYPES[version].itemsize, f"{n} parameters")
-        return config, version
+        return _model_config(path, header, payload_bytes)
 
 
 def read_model(path):
     """-> (config, params, version); params is float32 (num_parameters,) whatever the file's version.
     A file that records a checksum must match it."""
     with open_llmc(path, MODEL_MAGIC, MODEL_VERSIONS) as (f, header, payload_bytes):
-        config = _model_config(path, header)
-        version = int(header[1])
-        n = config.num_parameters
-        check_payload_size(path, payload_bytes, n * MODEL_DTYPES[version].itemsize, f"{n} parameters")
-        params = np.fromfile(f, dtype=MODEL_DTYPES[version], count=n)
+        config, version = _model_config(path, header, payload_bytes)
+        params = np.fromfile(f, dtype=MODEL_DTYPES[version], count=config.num_parameters)
     _verify(path, header, [params])
     if version == MODEL_VERSION_BF16:
         params = bf16_bits_to_float32(params)

@@ -277,8 +277,9 @@ def test_eval_errors_for_small_batches_long_examples_and_empty_contexts(eval_pat
         EvalLoader(eval_path, 3, T)
     # example 2 has 3 context tokens and a 3-token completion: 6 tokens need T >= 5
     EvalLoader(eval_path, 4, 5)
-    with pytest.raises(DataError, match="example 2 has 6 tokens .*more than T\\+1=5: use a larger -t \\(up to "
-                                       "the model's max_seq_len\\), or leave the example out of the file"):
+    with pytest.raises(DataError, match="example 2 has 6 tokens .*more than T\\+1=5: use a larger -t "
+                                       "\\(up to the model's max_seq_len\\), or leave the example out of "
+                                       "the file"):
         EvalLoader(eval_path, 4, 4)
     empty = tmp_path / "empty_context.bin"
     formats.write_eval(empty, [dict(label=0, context=[], completions=[[1], [2], [3], [4]])])

@@ -85,12 +85,15 @@ class BackendError(UserError):
     """A backend that cannot be built here (unknown name, missing package, no GPU): one line saying why."""
 
 
+INSTALL_CUPY = f"{install('gpu')} (or cupy-cuda13x)"   # the extra names the CUDA 12 wheel
+
+
 def gpu_missing():
     """Why the cupy backend cannot run here (one line), or None when cupy imports and sees a CUDA device."""
     try:
         import cupy
     except ImportError:
-        return f"the cupy backend needs cupy: {install('gpu')} (or cupy-cuda13x), or use --backend numpy"
+        return f"the cupy backend needs cupy: {INSTALL_CUPY}, or use --backend numpy"
     try:
         if cupy.cuda.is_available():
             return None
