@@ -9,7 +9,7 @@ import urllib.request
 
 from llm import formats
 from llm.launch import Parser, UserError, from_environment, output_dir, output_file
-from llm.tokenizer import VOCAB_ENV
+from llm.tokenizer import VOCAB_ENV, ranks_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_HINT = "pass --input PATH to a local copy"   # what a failed download says to do
@@ -20,10 +20,10 @@ class PrepError(UserError):
 
 
 class ScriptParser(Parser):
-    """The scripts' Parser: a path flag left out (--input, --vocab) stands for the path in its environment
-    variable, which is checked as the flags are, before any download: a wrong one is one line naming the
-    variable (llm.launch.from_environment), which the user may have set long ago. --input takes that path;
-    --vocab stays None, and the tokenizer reads $GPT2_VOCAB itself (and names it in its own errors)."""
+    """The scripts' Parser: --input left out stands for the path in its environment variable, and the ranks
+    file (--vocab, else $GPT2_VOCAB) is the tokenizer's; each is checked as the flags are, before any
+    download or long read, and a path from a variable is named with it (llm.launch.from_environment), since
+    the user may have set it long ago. --vocab stays as given: the tokenizer reads $GPT2_VOCAB itself."""
 
     def __init__(self, input_env, **kwargs):
         super().__init__(**kwargs)
@@ -33,8 +33,7 @@ class ScriptParser(Parser):
         parsed = super().parse_args(args, namespace)
         if parsed.input is None and self.input_env:
             parsed.input = env_path(self.input_env, "--input")
-        if parsed.vocab is None:
-            env_path(VOCAB_ENV, "--vocab")
+        ranks_file(parsed.vocab)
         return parsed
 
 
@@ -43,7 +42,7 @@ def env_path(variable, flag):
     path = os.environ.get(variable) or None
     if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
         problem = ("a folder, not a file" if os.path.isdir(path) else "not a readable file"
-                   if os.path.exists(path) else "no such file")   # in the tokenizer's words
+                   if os.path.exists(path) else "no such file")   # in ranks_file's words
         raise PrepError(from_environment(path, variable, flag, problem))
     return path
 

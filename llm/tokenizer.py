@@ -27,28 +27,39 @@ class TokenizerError(UserError):
     """GPT-2's vocabulary could not be loaded; the one-line message says what to do."""
 
 
+def ranks_file(vocab_path=None):
+    """The GPT-2 ranks file that get_encoding reads: vocab_path (--vocab), else $GPT2_VOCAB, else None for
+    tiktoken's download. A TokenizerError, one line, where the one named is missing or a folder: a command
+    can call this first, before a long download or read, and find that out at once."""
+    path = vocab_path or os.environ.get(VOCAB_ENV)
+    if path and not os.path.isfile(path):
+        raise _bad_ranks(path, vocab_path, "a folder, not a file" if os.path.isdir(path) else "no such file")
+    return path
+
+
+def _bad_ranks(path, vocab_path, problem):
+    """The error for the ranks file `path`, named by --vocab (vocab_path) or else by $GPT2_VOCAB."""
+    return TokenizerError(f"{path}: {problem}: {NO_VOCAB_HINT}" if vocab_path else
+                          from_environment(path, VOCAB_ENV, "--vocab", problem))
+
+
 def get_encoding(vocab_path=None):
     """GPT-2's tiktoken Encoding: from vocab_path or $GPT2_VOCAB when given, else tiktoken's download."""
-    named, vocab_path = vocab_path, vocab_path or os.environ.get(VOCAB_ENV)
-    if not vocab_path:
+    path = ranks_file(vocab_path)
+    if not path:
         try:
             return tiktoken.get_encoding("gpt2")
         except OSError:   # requests' connection errors are OSErrors
             raise TokenizerError(f"cannot download GPT-2's BPE ranks (offline?): {NO_VOCAB_HINT}") from None
 
     def bad(problem):
-        return TokenizerError(f"{vocab_path}: {problem}: {NO_VOCAB_HINT}" if named else
-                              from_environment(vocab_path, VOCAB_ENV, "--vocab", problem))
-    if os.path.isdir(vocab_path):
-        raise bad("a folder, not a file")
+        return _bad_ranks(path, vocab_path, problem)
     try:
-        ranks = tiktoken.load.load_tiktoken_bpe(vocab_path)
-    except FileNotFoundError:
-        raise bad("no such file") from None
+        ranks = tiktoken.load.load_tiktoken_bpe(path)
     except OSError as e:
         raise bad(f"cannot read ({e.strerror or e})") from None
     except ValueError:   # its message quotes the line it could not parse, which can be kilobytes of bytes
-        raise bad(f"not a tiktoken ranks file{formats.what_it_is(vocab_path)}") from None
+        raise bad(f"not a tiktoken ranks file{formats.what_it_is(path)}") from None
     if len(ranks) != GPT2_EOT or max(ranks.values()) != GPT2_EOT - 1:
         raise bad(f"{len(ranks)} ranks, but GPT-2 has {GPT2_EOT} (ids 0..{GPT2_EOT - 1})")
     return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,

@@ -143,6 +143,9 @@ def test_missing_vocab_is_one_line_and_exit_1(tmp_path):
     assert proc.returncode == 1
     hint = "pass --vocab PATH to a gpt2.tiktoken file or set GPT2_VOCAB"
     assert proc.stderr == f"error: {missing}: no such file: {hint}\n"
+    for script in ("hellaswag", "fineweb", "gpt2"):   # before the download each would start without --input
+        proc = run_script(script, ["--vocab", missing, "--out", tmp_path / "out"], cwd=tmp_path)
+        assert_one_line_error(proc, f"error: {missing}: no such file: {hint}\n")
 
 
 @pytest.mark.parametrize("script, variable, flag", [
