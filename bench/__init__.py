@@ -7,7 +7,7 @@ import argparse
 from importlib.util import find_spec
 import math
 
-from llm.backends import INSTALL_CUPY, gpu_missing
+from llm.backends import BackendError, gpu_missing
 from llm.launch import UserError, positive_int
 
 
@@ -45,21 +45,18 @@ def needs(*packages):
                          "which the project itself never needs")
 
 
-ON_A_GPU = "this benchmark runs on a CUDA GPU"   # and has no CPU to fall back on, unlike bench.step
+ON_A_GPU = "run this benchmark on a machine with a CUDA GPU"   # it has no CPU path, unlike bench.step
 
 
 def needs_gpu():
-    """Stop with one line unless cupy imports and sees a CUDA GPU (as llm.backends.gpu_missing decides).
-    Call it before importing llm.backends.cupy_backend, which loads cuBLAS."""
-    if gpu_missing() is None:
-        return
-    if find_spec("cupy") is None:
-        raise UserError(f"{ON_A_GPU}, through cupy: {INSTALL_CUPY} on a machine with one")
-    raise UserError(f"{ON_A_GPU}, and cupy finds none usable here: run it on a machine with one")
+    """Stop with one line unless cupy imports and sees a CUDA GPU (llm.backends.gpu_missing). Call it before
+    importing llm.backends.cupy_backend, which loads cuBLAS."""
+    if missing := gpu_missing(otherwise=ON_A_GPU):
+        raise BackendError(missing)
 
 
 def needs_torch_gpu(torch):
     """Stop with one line unless torch sees a CUDA GPU (a CPU build of torch never does)."""
     if not torch.cuda.is_available():
-        raise UserError(f"{ON_A_GPU}, and torch {torch.__version__} finds none usable here: run it on a "
-                        "machine with one, with a CUDA build of torch")
+        raise UserError(f"torch {torch.__version__} finds no usable CUDA GPU here: {ON_A_GPU} and a CUDA "
+                        "build of torch")

@@ -8,7 +8,8 @@ import os
 import urllib.request
 
 from llm import formats
-from llm.launch import Parser, UserError, from_environment, output_dir, output_file
+from llm.launch import (Parser, UserError, existing_folder, file_problem, from_environment, output_dir,
+                        output_file)
 from llm.tokenizer import VOCAB_ENV, ranks_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,9 +41,7 @@ class ScriptParser(Parser):
 def env_path(variable, flag):
     """The path in $variable, None when it is unset or empty; a PrepError where it names no readable file."""
     path = os.environ.get(variable) or None
-    if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
-        problem = ("a folder, not a file" if os.path.isdir(path) else "not a readable file"
-                   if os.path.exists(path) else "no such file")   # in ranks_file's words
+    if path and (problem := file_problem(path)):
         raise PrepError(from_environment(path, variable, flag, problem))
     return path
 
@@ -77,7 +76,7 @@ def outputs(out, *files):
     for flag, path in files:
         output_file(path, flag)
     folders = [os.path.abspath(out), *(os.path.dirname(os.path.abspath(path)) for _, path in files)]
-    made = [(folder, first_missing(folder)) for folder in folders]
+    made = [(folder, existing_folder(folder)) for folder in folders]   # makedirs makes those below
     there = {os.path.join(folder, name) for folder in folders if os.path.isdir(folder)
              for name in os.listdir(folder)}
     written = []
@@ -95,18 +94,10 @@ def outputs(out, *files):
         raise
 
 
-def first_missing(folder):
-    """The outermost folder on the way to `folder` that does not exist yet, None if it exists: makedirs
-    makes it and those below it."""
-    missing = None
-    while not os.path.exists(folder):
-        folder, missing = os.path.dirname(folder), folder
-    return missing
-
-
-def remove_made(folder, top):
-    """Remove `folder` and its parents up to `top`, which first_missing found, while they are empty."""
-    while top and len(folder) >= len(top):   # (folder is top or below it)
+def remove_made(folder, existing):
+    """Remove `folder` and its parents below `existing`, the folder that was there before, while they are
+    empty."""
+    while folder != existing:
         try:
             os.rmdir(folder)
         except FileNotFoundError:   # makedirs stopped above it

@@ -11,7 +11,7 @@ import os
 
 from data import REPO, PrepError, arguments, outputs, read_text, write_shard
 from llm.launch import run
-from llm.tokenizer import VOCAB_ENV, Tokenizer
+from llm.tokenizer import VOCAB_ENV, Tokenizer, ranks_file
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 INPUT_ENV = "TINYSHAKESPEARE"   # the corpus's local copy, as --input
@@ -47,8 +47,8 @@ def main(argv):
                         help="where to write llm.c's tokenizer file (default: gpt2_tokenizer.bin)")
     args = parser.parse_args(argv)
     with outputs(args.out, ("--tokenizer", args.tokenizer)) as written:
-        ranks_given = args.vocab or os.environ.get(VOCAB_ENV)
-        text = read_text(args.input, URL, offline_hint=OFFLINE_INPUT_HINT if ranks_given else OFFLINE_HINT)
+        offline_hint = OFFLINE_INPUT_HINT if ranks_file(args.vocab) else OFFLINE_HINT   # the ranks are here
+        text = read_text(args.input, URL, offline_hint=offline_hint)
         tokenizer = Tokenizer(args.vocab)
         tokens = tokenize(text, tokenizer)
         if len(tokens) <= VAL_TOKENS:   # the val split would take them all

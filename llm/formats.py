@@ -141,13 +141,16 @@ def _describe_versions(versions):
     return " or ".join(f"{v} ({what})" if what else str(v) for v, what in versions.items())
 
 
+def this_is(magic):
+    """"; this is an llm.c tokenizer file" for one of FORMAT_NAMES' magics, else ""."""
+    return f"; this is {FORMAT_NAMES[magic]}" if magic in FORMAT_NAMES else ""
+
+
 def what_it_is(path):
-    """"; this is an llm.c tokenizer file" when the file begins with one of FORMAT_NAMES' magics, else ""."""
+    """this_is() of the magic a file begins with ("" where it cannot be read)."""
     with suppress(OSError):
         with open(path, "rb") as f:
-            magic = np.frombuffer(f.read(4).ljust(4, b"\0"), dtype="<i4")[0]
-        if magic in FORMAT_NAMES:
-            return f"; this is {FORMAT_NAMES[magic]}"
+            return this_is(np.frombuffer(f.read(4).ljust(4, b"\0"), dtype="<i4")[0])
     return ""
 
 
@@ -173,7 +176,7 @@ def open_llmc(path, magic, versions):
         header = np.fromfile(f, dtype="<i4", count=HEADER_INTS)
         if header[0] != magic:
             raise FormatError(f"{path}: bad magic {header[0]} (expected {magic}: {FORMAT_NAMES[magic]})"
-                              f"{what_it_is(path)}")
+                              f"{this_is(header[0])}")
         if header[1] not in versions:
             raise FormatError(f"{path}: unknown version {header[1]} "
                               f"(expected {_describe_versions(versions)})")

@@ -12,6 +12,7 @@
   positive_int               Parser's type for an option that counts something (steps, repeats, a batch)
   output_dir, output_file    an output place that cannot be written is one line before any work, not after
   from_environment           the line for a bad path that came from an environment variable, not a flag
+  file_problem, existing_folder   what is wrong with a path a command reads; the nearest folder that exists
   optional(module, extra)    import a package only some commands need, or say in one line how to install it
   install(extra)             the pip command that installs one of the optional extras
 
@@ -245,6 +246,22 @@ def from_environment(path, variable, flag, problem):
     return f"{path} (${variable}): {problem}: fix or unset {variable}, or pass {flag} PATH"
 
 
+def file_problem(path):
+    """Why `path` is no file this process can read, in a few words ("no such file"), or None."""
+    if os.path.isfile(path) and os.access(path, os.R_OK):
+        return None
+    return ("a folder, not a file" if os.path.isdir(path) else "not a readable file" if os.path.exists(path)
+            else "no such file")
+
+
+def existing_folder(path):
+    """The nearest of `path` and its parents that exists (a folder, unless a part of the path is a file)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def output_dir(path, flag="--out"):
     """Check that `path` is a folder this process can write into, or can make and write into, or raise a
     UserError naming `flag`. Called before any work, so that an output that cannot be written is one line
@@ -267,9 +284,7 @@ def output_file(path, flag):
 
 
 def _writable(path, folder, flag):
-    existing = os.path.abspath(folder)
-    while not os.path.exists(existing):   # the nearest folder that is there will hold the ones made
-        existing = os.path.dirname(existing)
+    existing = existing_folder(folder)   # it will hold the folders the command makes
     if not os.path.isdir(existing):
         raise UserError(f"{flag} {path}: a part of the path is a file, not a folder: choose another place")
     try:

@@ -13,7 +13,7 @@ import tiktoken.load
 
 from llm import formats
 from llm.config import GPT2_EOT
-from llm.launch import UserError, from_environment
+from llm.launch import UserError, file_problem, from_environment
 
 # GPT-2's pre-tokenizer: contractions, letter runs, digit runs and other symbols (each with at most
 # one leading space), then whitespace. BPE merges happen only inside these pieces.
@@ -32,8 +32,8 @@ def ranks_file(vocab_path=None):
     tiktoken's download. A TokenizerError, one line, where the one named is missing or a folder: a command
     can call this first, before a long download or read, and find that out at once."""
     path = vocab_path or os.environ.get(VOCAB_ENV)
-    if path and not os.path.isfile(path):
-        raise _bad_ranks(path, vocab_path, "a folder, not a file" if os.path.isdir(path) else "no such file")
+    if path and (problem := file_problem(path)):
+        raise _bad_ranks(path, vocab_path, problem)
     return path
 
 

@@ -110,12 +110,11 @@ STAND_INS = {"cupy": {"cupy/__init__.py": "class cuda:\n    is_available = stati
                        "torch/nn/__init__.py": "Module = object\n", "torch/nn/functional.py": "",
                        "torch/profiler.py": "ProfilerActivity = profile = None\n"},
              "transformers": {"transformers/__init__.py": "AutoTokenizer = GPT2LMHeadModel = None\n"}}
-ON_A_GPU = "this benchmark runs on a CUDA GPU"
-NO_CUPY = f'{ON_A_GPU}, through cupy: pip install -e ".[gpu]" (or cupy-cuda13x) on a machine with one'
-NO_GPU = f"{ON_A_GPU}, and cupy finds none usable here: run it on a machine with one"
+ON_A_GPU = "run this benchmark on a machine with a CUDA GPU"
+NO_CUPY = f'the cupy backend needs cupy: pip install -e ".[gpu]" (or cupy-cuda13x), or {ON_A_GPU}'
+NO_GPU = f"the cupy backend needs a CUDA GPU, and none is usable here: {ON_A_GPU}"
 NO_TORCH = "this needs torch (pip install torch), which the project itself never needs"
-CPU_TORCH = (f"{ON_A_GPU}, and torch 2.9.0+cpu finds none usable here: run it on a machine with one, with a "
-             "CUDA build of torch")
+CPU_TORCH = f"torch 2.9.0+cpu finds no usable CUDA GPU here: {ON_A_GPU} and a CUDA build of torch"
 
 
 @pytest.mark.parametrize("args, stand_ins, message", [

@@ -85,21 +85,19 @@ class BackendError(UserError):
     """A backend that cannot be built here (unknown name, missing package, no GPU): one line saying why."""
 
 
-INSTALL_CUPY = f"{install('gpu')} (or cupy-cuda13x)"   # the extra names the CUDA 12 wheel
-
-
-def gpu_missing():
-    """Why the cupy backend cannot run here (one line), or None when cupy imports and sees a CUDA device."""
+def gpu_missing(otherwise="use --backend numpy"):
+    """Why the cupy backend cannot run here (one line ending in what else to do), or None when cupy imports
+    and sees a CUDA device."""
     try:
         import cupy
     except ImportError:
-        return f"the cupy backend needs cupy: {INSTALL_CUPY}, or use --backend numpy"
+        return f"the cupy backend needs cupy: {install('gpu')} (or cupy-cuda13x), or {otherwise}"
     try:
         if cupy.cuda.is_available():
             return None
     except Exception:   # a broken driver or runtime counts as no GPU
         pass
-    return "the cupy backend needs a CUDA GPU, and none is usable here: use --backend numpy"
+    return f"the cupy backend needs a CUDA GPU, and none is usable here: {otherwise}"
 
 
 def resolve(name="auto", precision="auto"):
